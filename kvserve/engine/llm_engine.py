@@ -1,0 +1,121 @@
+"""The engine: requests in, one scheduler step -> one forward -> outputs, repeat."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+
+import torch
+
+from kvserve.config import EngineConfig, parse_memory, resolve_device, resolve_dtype
+from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches
+from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.stats import EngineStats
+from kvserve.kv_cache.kv_cache_manager import KVCacheManager
+from kvserve.model.config import ModelConfig
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.loader import iter_weights, load_config, resolve_model
+from kvserve.model.sampler import Sampler
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.tokenizer import load_tokenizer
+
+logger = logging.getLogger("kvserve")
+
+
+def load_model(model_dir, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    with torch.device("meta"):  # no random init: the weights are about to be overwritten
+        model = LlamaForCausalLM(cfg)
+    model = model.to_empty(device="cpu")
+    model.load_weights(iter_weights(model_dir))
+    model.layers[0].self_attn.rotary.reset_cache()  # shared by all layers; computed, not loaded
+    return model.to(dtype=dtype, device=device).eval()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        model_dir = resolve_model(config.model)
+        self.model_config = load_config(model_dir)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        model = load_model(model_dir, self.model_config, self.dtype, self.device)
+        num_blocks = self._num_blocks()
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.kv
+        )
+        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device)
+        self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed))
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+        self.eos_token_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        per_token = self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        num_blocks = cfg.num_kv_blocks or parse_memory(cfg.kv_cache_memory) // (per_token * cfg.block_size)
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of {cfg.block_size} tokens")
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s, %s)",
+            num_blocks, cfg.block_size, num_blocks * cfg.block_size, per_token, self.dtype, self.device,
+        )
+        return num_blocks
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError (naming the problem) if it could never run."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.output_processor.groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self._prompt_ids(prompt)
+        request = Request(request_id, prompt_ids, params, eos_token_ids=tuple(self.eos_token_ids))
+        self.scheduler.add_request(request)
+        self.output_processor.add_group(request, prompt if isinstance(prompt, str) else None)
+        return request_id
+
+    def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        return list(prompt)
+
+    def abort_request(self, request_id: str) -> None:
+        group = self.output_processor.drop(request_id)
+        if group is None:
+            return
+        pending = [r for r in self.scheduler.waiting if r.group_id == request_id]
+        samples = [s.request for s in group.samples.values()]
+        running = [r for r in self.scheduler.running if r.group_id == request_id]
+        self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        updated = self.scheduler.update_from_output(out, sampled)
+        stopped = self.output_processor.update_text(updated)
+        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        outputs = self.output_processor.make_outputs(updated)
+        self.stats.record_step(self.scheduler, out, updated, time.perf_counter() - start)
+        return outputs

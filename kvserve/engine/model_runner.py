@@ -1,0 +1,127 @@
+"""Turn a scheduler step into one flat batch, run the model once, sample.
+
+The KV cache is one preallocated tensor per layer, [2, num_blocks, block_size,
+kv_heads, head_dim]; slot = block_id * block_size + offset. Decode tokens go first
+in the batch (they are attended to in one batched call), prefill chunks after.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
+from kvserve.kv_cache.kv_cache_manager import KVCacheManager
+from kvserve.model.attention import AttentionMetadata, PrefillSeq
+from kvserve.model.llama import LlamaForCausalLM
+from kvserve.model.sampler import Sampler
+
+
+def allocate_kv_caches(
+    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> list[torch.Tensor]:
+    cfg = model.config
+    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[torch.Tensor],
+        kv_cache_manager: KVCacheManager,
+        sampler: Sampler,
+    ):
+        self.model = model
+        self.kv_caches = kv_caches
+        self.kv = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.sampler = sampler
+        self.device = kv_caches[0].device
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+        self._copy_blocks(out)
+        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first, stable
+        input_ids, positions, meta, sample_rows = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        requests = [s.request for s in batch if s.samples]
+        rows = [sample_rows[r.request_id] for r in requests]
+        for parent, child in out.forks:  # siblings draw from their parent's last-token logits
+            requests.append(child)
+            rows.append(sample_rows[parent.request_id])
+        if not requests:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = self.sampler(logits, requests)
+        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+
+    def _copy_blocks(self, out: SchedulerOutput) -> None:
+        if not out.block_copies:
+            return
+        src = torch.tensor([c.src for c in out.block_copies], device=self.device)
+        dst = torch.tensor([c.dst for c in out.block_copies], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    def _prepare(
+        self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str, int]]:
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: dict[str, int] = {}
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillSeq] = []
+        for s in batch:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = self.kv.block_ids(req.request_id)
+            p = torch.arange(start, start + n)
+            block_table = torch.tensor(table)
+            if n > 1:
+                prefills.append(_prefill_seq(len(ids), start, n, block_table, bs))
+            else:
+                decode_tables.append(table)
+                decode_lens.append(start + 1)
+            ids.extend(req.all_token_ids[start : start + n])
+            pos.append(p)
+            slots.append(block_table[p // bs] * bs + p % bs)
+            sample_rows[req.request_id] = len(ids) - 1
+        meta = AttentionMetadata(
+            slot_mapping=torch.cat(slots).to(self.device),
+            num_decode_tokens=len(decode_tables),
+            prefills=prefills,
+            **_decode_tensors(decode_tables, decode_lens, bs),
+        )
+        if self.device.type != "cpu":
+            meta = _to_device(meta, self.device)
+        input_ids = torch.tensor(ids, device=self.device)
+        return input_ids, torch.cat(pos).to(self.device), meta, sample_rows
+
+
+def _prefill_seq(query_start: int, start: int, n: int, block_table: torch.Tensor, bs: int) -> PrefillSeq:
+    end = start + n
+    mask = None
+    if start:  # a cached prefix (earlier chunk): query i sees keys up to start + i
+        mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+    return PrefillSeq(query_start, n, end, block_table[: -(-end // bs)], mask)
+
+
+def _decode_tensors(tables: list[list[int]], lens: list[int], bs: int) -> dict[str, torch.Tensor]:
+    width = max((len(t) for t in tables), default=0)
+    padded = torch.zeros(len(tables), width, dtype=torch.long)
+    for i, t in enumerate(tables):
+        padded[i, : len(t)] = torch.tensor(t)
+    mask = torch.arange(width * bs).unsqueeze(0) < torch.tensor(lens, dtype=torch.long).unsqueeze(1)
+    return {"decode_block_tables": padded, "decode_mask": mask[:, None, None, :]}
+
+
+def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    meta.decode_block_tables = meta.decode_block_tables.to(device)
+    meta.decode_mask = meta.decode_mask.to(device)
+    for seq in meta.prefills:
+        seq.block_table = seq.block_table.to(device)
+        seq.mask = None if seq.mask is None else seq.mask.to(device)
+    return meta

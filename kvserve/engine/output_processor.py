@@ -1,0 +1,153 @@
+"""From sampled tokens to `RequestOutput`s: detokenize, stop strings, gather n samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from transformers import PreTrainedTokenizerBase
+
+from kvserve.engine.request import Request
+from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.tokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class SampleState:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    stop_reason: int | str | None = None
+    stop_at: int | None = None  # text length to cut at, once a stop string matched
+
+
+@dataclass
+class RequestGroup:
+    """The n samples of one user request."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    n: int
+    samples: dict[int, SampleState] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.samples) == self.n and all(s.request.status.finished for s in self.samples.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer = tokenizer
+        self.groups: dict[str, RequestGroup] = {}
+
+    def add_group(self, request: Request, prompt: str | None) -> None:
+        group = RequestGroup(request.group_id, prompt, request.prompt_token_ids, request.sampling_params.n)
+        self.groups[request.group_id] = group
+        self._track(group, request)
+
+    def _track(self, group: RequestGroup, req: Request) -> SampleState:
+        if req.sample_index not in group.samples:
+            detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.skip_special_tokens)
+            group.samples[req.sample_index] = SampleState(req, detok)
+        return group.samples[req.sample_index]
+
+    def update_text(self, updated: list[Request]) -> list[Request]:
+        """Detokenize each new token; returns the requests a stop string has just ended."""
+        stopped = []
+        for req in updated:
+            state = self._track(self.groups[req.group_id], req)
+            delta = state.detokenizer.step(req.output_token_ids[-1])
+            if req.status.finished:
+                state.stop_reason = _stop_token(req)
+            elif delta and req.num_output_tokens >= req.sampling_params.min_tokens:
+                if _match_stop_string(state, len(delta)):
+                    stopped.append(req)
+        return stopped
+
+    def make_outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        group_ids = dict.fromkeys(r.group_id for r in updated)
+        outputs = [self.make_output(self.groups[g]) for g in group_ids]
+        for out in outputs:
+            if out.finished:
+                del self.groups[out.request_id]
+        return outputs
+
+    def make_output(self, group: RequestGroup) -> RequestOutput:
+        completions = [self._completion(i, s) for i, s in sorted(group.samples.items())]
+        first = group.samples[0].request
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=group.finished,
+            metrics=_metrics(first),
+        )
+
+    def drop(self, group_id: str) -> RequestGroup | None:
+        return self.groups.pop(group_id, None)
+
+    def _completion(self, index: int, state: SampleState) -> CompletionOutput:
+        req = state.request
+        text = state.detokenizer.text
+        if state.stop_at is not None:
+            text = text[: state.stop_at]
+        elif not req.status.finished:
+            text = text[: len(text) - _holdback(req, text)]
+        logprobs = [self._decode_logprobs(lp) for lp in req.output_logprobs] if req.sampling_params.logprobs is not None else None
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=list(req.output_token_ids),
+            finish_reason=req.status.value if req.status.finished else None,
+            stop_reason=state.stop_reason,
+            logprobs=logprobs,
+            cumulative_logprob=sum(lp[t].logprob for lp, t in zip(req.output_logprobs, req.output_token_ids)) if logprobs else None,
+        )
+
+    def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
+        if all(lp.decoded_token is not None for lp in entry.values()):
+            return entry
+        decoded = {t: Logprob(lp.logprob, lp.rank, self.tokenizer.decode([t])) for t, lp in entry.items()}
+        entry.update(decoded)  # decode once, not at every output
+        return entry
+
+
+def _match_stop_string(state: SampleState, delta_len: int) -> bool:
+    """Look for a stop string ending in the new text; remember where to cut."""
+    sp = state.request.sampling_params
+    text = state.detokenizer.text
+    for stop in sp.stop_strings:
+        start = max(0, len(text) - delta_len - len(stop) + 1)
+        at = text.find(stop, start)
+        if at != -1:
+            state.stop_reason = stop
+            state.stop_at = at + len(stop) if sp.include_stop_str_in_output else at
+            return True
+    return False
+
+
+def _holdback(req: Request, text: str) -> int:
+    """While running, keep back a tail that could be the start of a stop string."""
+    longest = 0
+    for stop in req.sampling_params.stop_strings:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest
+
+
+def _stop_token(req: Request) -> int | None:
+    last = req.output_token_ids[-1]
+    return last if last in req.sampling_params.stop_token_ids else None
+
+
+def _metrics(req: Request) -> RequestMetrics:
+    t = req.times
+    return RequestMetrics(
+        arrival_time=t.arrival,
+        queue_time=None if t.first_scheduled is None else t.first_scheduled - t.arrival,
+        time_to_first_token=None if t.first_token is None else t.first_token - t.arrival,
+        decode_time=None if t.finished is None or t.first_token is None else t.finished - t.first_token,
+        num_preemptions=req.num_preemptions,
+    )

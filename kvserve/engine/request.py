@@ -1,0 +1,92 @@
+"""A request as the scheduler sees it: tokens, progress, sampling state, timings."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from kvserve.outputs import Logprob
+from kvserve.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class RequestTimes:
+    arrival: float = field(default_factory=time.monotonic)
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 1 << 30  # context limit: min(max_model_len, whole pool)
+    group_id: str = ""  # the user's request id; n > 1 samples share it
+    sample_index: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    times: RequestTimes = field(default_factory=RequestTimes)
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.group_id = self.group_id or self.request_id
+        self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids
+        seed = self.sampling_params.seed
+        if seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(seed + self.sample_index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def needs_fork(self) -> bool:
+        """A parent of n > 1 samples that has not produced its first token yet."""
+        return self.sampling_params.n > 1 and self.sample_index == 0 and not self.output_token_ids
+
+    def append_output_token(self, token_id: int, logprobs: dict[int, Logprob] | None) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+        if logprobs is not None:
+            self.output_logprobs.append(logprobs)
+
+    def fork(self, sample_index: int) -> Request:
+        """A sibling sample sharing the prompt (its blocks are shared by the KV cache manager)."""
+        return replace(
+            self,
+            request_id=f"{self.group_id}-{sample_index}",
+            sample_index=sample_index,
+            output_token_ids=[],
+            output_logprobs=[],
+            times=replace(self.times),
+            generator=None,
+        )

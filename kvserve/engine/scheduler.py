@@ -1,0 +1,211 @@
+"""Continuous batching: which requests run this step, and how many tokens each.
+
+Every request carries `num_computed_tokens`; a step gives each scheduled request
+some of its remaining tokens, under a token budget. There are no separate prefill
+and decode phases: a decode is a request with one token left, a chunked prefill
+one with many. Running requests go first (in admission order), then waiting ones
+are admitted while the budget, the sequence cap and the block pool allow. When
+blocks run out, the most recently admitted running request is preempted: its
+blocks are freed and it goes back to the head of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Request, RequestStatus
+from kvserve.kv_cache.kv_cache_manager import BlockCopy, KVCacheManager
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 8192
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    samples: bool = False  # the chunk reaches the last token: its logits give the next token
+
+    def __post_init__(self) -> None:
+        r = self.request
+        self.samples = r.num_computed_tokens + self.num_new_tokens == r.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, new sibling)
+    block_copies: list[BlockCopy] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    token_id: int
+    logprobs: dict | None = None  # token id -> Logprob, when the request asked for them
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The longest a request may grow: the context length, and never more than the pool."""
+        return min(self.config.max_model_len, self.kv.num_tokens_capacity)
+
+    def check_prompt(self, num_prompt_tokens: int, n: int) -> None:
+        """Reject what could never run, instead of queueing it forever."""
+        if num_prompt_tokens == 0:
+            raise ValueError("prompt must not be empty")
+        if num_prompt_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens, longer than max_model_len={self.config.max_model_len}"
+            )
+        if num_prompt_tokens > self.kv.num_tokens_capacity:
+            raise ValueError(
+                f"prompt is {num_prompt_tokens} tokens, more than the whole KV cache holds "
+                f"({self.kv.num_tokens_capacity} tokens); raise kv_cache_memory"
+            )
+        if n > self.config.max_num_seqs:
+            raise ValueError(f"n={n} is larger than max_num_seqs={self.config.max_num_seqs}")
+
+    def add_request(self, request: Request) -> None:
+        self.check_prompt(request.num_prompt_tokens, request.sampling_params.n)
+        request.max_total_tokens = self.max_total_tokens
+        self.waiting.append(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        out = SchedulerOutput(scheduled=[])
+        budget = self._schedule_running(budget, out)
+        if not out.preempted:  # under memory pressure, admit nobody new this step
+            self._schedule_waiting(budget, out)
+        self._fork_samples(out)
+        out.block_copies = self.kv.take_pending_copies()
+        return out
+
+    def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(req, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and budget > 0:
+            req = self.waiting[0]
+            seqs = req.sampling_params.n if req.needs_fork else 1
+            if len(self.running) + seqs > self.config.max_num_seqs:
+                break
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self.kv.allocate_slots(req, n):
+                break
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            if req.times.first_scheduled is None:
+                req.times.first_scheduled = time.monotonic()
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, n))
+            budget -= n
+
+    def _fork_samples(self, out: SchedulerOutput) -> None:
+        """n > 1: once the prompt's last chunk is scheduled, its siblings share its blocks."""
+        for s in out.scheduled:
+            if s.samples and s.request.needs_fork:
+                for index in range(1, s.request.sampling_params.n):
+                    child = s.request.fork(index)
+                    child.status = RequestStatus.RUNNING
+                    self.kv.fork(s.request, child)
+                    self.running.append(child)
+                    out.forks.append((s.request, child))
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance progress, append sampled tokens, finish what stopped; returns requests that got a token."""
+        updated = []
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        for parent, child in out.forks:
+            child.num_computed_tokens = parent.num_computed_tokens
+        for req in [s.request for s in out.scheduled if s.samples] + [c for _, c in out.forks]:
+            token = sampled[req.request_id]
+            req.append_output_token(token.token_id, token.logprobs)
+            if req.times.first_token is None:
+                req.times.first_token = time.monotonic()
+            status = self._check_stop(req)
+            if status is not None:
+                self.finish_request(req, status)
+            updated.append(req)
+        return updated
+
+    def _check_stop(self, req: Request) -> RequestStatus | None:
+        sp = req.sampling_params
+        last = req.output_token_ids[-1]
+        if req.num_output_tokens >= sp.min_tokens:
+            if (not sp.ignore_eos and last in req.eos_token_ids) or last in sp.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_tokens >= req.max_total_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, req: Request, status: RequestStatus) -> None:
+        """Stop a request now (stop condition, stop string or abort) and free its blocks."""
+        if req.status.finished:
+            return
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        else:
+            self.waiting.remove(req)
+        req.status = status
+        req.times.finished = time.monotonic()
+        self.kv.free(req)
+
+    def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
+        for req in requests:
+            self.finish_request(req, status)

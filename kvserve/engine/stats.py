@@ -1,0 +1,83 @@
+"""Engine statistics: the last step and running totals (the server publishes them)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from kvserve.engine.request import Request
+from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+
+
+@dataclass
+class StepStats:
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_batched_tokens: int
+    num_prefill_tokens: int  # tokens of chunks longer than one (prompts, recomputes)
+    num_decode_tokens: int
+    num_preempted: int
+    kv_slots_allocated: int  # block_size x blocks in use
+    kv_slots_unused: int  # allocated but not (yet) holding a token: the tails of last blocks
+    step_time: float
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_preemptions: int = 0
+    prompt_tokens: int = 0  # prompts of requests that produced their first token
+    generation_tokens: int = 0
+    prefill_tokens_computed: int = 0  # includes recomputation after preemption
+    finished_requests: Counter[str] = field(default_factory=Counter)  # by finish reason
+    peak_kv_blocks_used: int = 0
+    peak_running: int = 0
+    kv_slots_allocated_sum: int = 0  # summed over steps: waste = unused / allocated
+    kv_slots_unused_sum: int = 0
+    last_step: StepStats | None = None
+
+    @property
+    def kv_waste(self) -> float:
+        return self.kv_slots_unused_sum / self.kv_slots_allocated_sum if self.kv_slots_allocated_sum else 0.0
+
+    def record_step(self, scheduler: Scheduler, out: SchedulerOutput, updated: list[Request], step_time: float) -> None:
+        pool = scheduler.kv.pool
+        prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        allocated, unused = _kv_slot_usage(scheduler)
+        step = StepStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            num_batched_tokens=out.num_batched_tokens,
+            num_prefill_tokens=prefill,
+            num_decode_tokens=out.num_batched_tokens - prefill,
+            num_preempted=len(out.preempted),
+            kv_slots_allocated=allocated,
+            kv_slots_unused=unused,
+            step_time=step_time,
+        )
+        self.last_step = step
+        self.num_steps += 1
+        self.num_preemptions += step.num_preempted
+        self.prefill_tokens_computed += prefill
+        self.generation_tokens += len(updated)
+        self.prompt_tokens += sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1)
+        self.finished_requests.update(r.status.value for r in updated if r.status.finished)
+        self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, step.kv_blocks_used)
+        self.peak_running = max(self.peak_running, len(out.scheduled))
+        self.kv_slots_allocated_sum += allocated
+        self.kv_slots_unused_sum += unused
+
+
+def _kv_slot_usage(scheduler: Scheduler) -> tuple[int, int]:
+    """Only the last block of a table can be partly filled; shared tails are counted once."""
+    kv = scheduler.kv
+    tails: dict[int, int] = {}
+    for req in scheduler.running:
+        table = kv.block_tables.get(req.request_id)
+        if table:
+            tails[table[-1].block_id] = len(table) * kv.block_size - req.num_computed_tokens
+    return kv.pool.num_used_blocks * kv.block_size, sum(tails.values())

