@@ -30,6 +30,10 @@ class SamplingParams:
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.stop, str | list | tuple | None):
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, list | tuple | None):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:

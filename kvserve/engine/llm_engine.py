@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import logging
 import time
 
 import torch
@@ -15,6 +14,7 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.stats import EngineStats
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
+from kvserve.logger import logger
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, load_config, resolve_model
@@ -22,8 +22,6 @@ from kvserve.model.sampler import Sampler
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import load_tokenizer
-
-logger = logging.getLogger("kvserve")
 
 
 def load_model(model_dir, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:

@@ -40,21 +40,21 @@ class ModelRunner:
         self.device = kv_caches[0].device
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
         self._copy_blocks(out)
         batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first, stable
         input_ids, positions, meta, sample_rows = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         requests = [s.request for s in batch if s.samples]
-        rows = [sample_rows[r.request_id] for r in requests]
+        rows = [sample_rows[r.seq_id] for r in requests]
         for parent, child in out.forks:  # siblings draw from their parent's last-token logits
             requests.append(child)
-            rows.append(sample_rows[parent.request_id])
+            rows.append(sample_rows[parent.seq_id])
         if not requests:
             return {}
         logits = self.model.compute_logits(hidden[rows])
         tokens = self.sampler(logits, requests)
-        return {r.request_id: t for r, t in zip(requests, tokens, strict=True)}
+        return {r.seq_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         if not out.block_copies:
@@ -77,7 +77,7 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            table = self.kv.block_ids(req.request_id)
+            table = self.kv.block_ids(req)
             p = torch.arange(start, start + n)
             block_table = torch.tensor(table)
             if n > 1:
@@ -88,7 +88,7 @@ class ModelRunner:
             ids.extend(req.all_token_ids[start : start + n])
             pos.append(p)
             slots.append(block_table[p // bs] * bs + p % bs)
-            sample_rows[req.request_id] = len(ids) - 1
+            sample_rows[req.seq_id] = len(ids) - 1
         meta = AttentionMetadata(
             slot_mapping=torch.cat(slots).to(self.device),
             num_decode_tokens=len(decode_tables),

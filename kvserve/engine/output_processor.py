@@ -93,7 +93,10 @@ class OutputProcessor:
             text = text[: state.stop_at]
         elif not req.status.finished:
             text = text[: len(text) - _holdback(req, text)]
-        logprobs = [self._decode_logprobs(lp) for lp in req.output_logprobs] if req.sampling_params.logprobs is not None else None
+        logprobs, cumulative = None, None
+        if req.sampling_params.logprobs is not None:
+            logprobs = [self._decode_logprobs(lp) for lp in req.output_logprobs]
+            cumulative = sum(lp[t].logprob for lp, t in zip(logprobs, req.output_token_ids, strict=True))
         return CompletionOutput(
             index=index,
             text=text,
@@ -101,7 +104,7 @@ class OutputProcessor:
             finish_reason=req.status.value if req.status.finished else None,
             stop_reason=state.stop_reason,
             logprobs=logprobs,
-            cumulative_logprob=sum(lp[t].logprob for lp, t in zip(req.output_logprobs, req.output_token_ids)) if logprobs else None,
+            cumulative_logprob=cumulative,
         )
 
     def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:

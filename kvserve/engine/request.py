@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import itertools
 import time
 from dataclasses import dataclass, field, replace
 
@@ -10,6 +11,8 @@ import torch
 
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -48,13 +51,15 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     times: RequestTimes = field(default_factory=RequestTimes)
     generator: torch.Generator | None = field(default=None, repr=False)
+    seq_id: int = field(init=False)  # unique per sample; what block tables are keyed by
 
     def __post_init__(self) -> None:
+        self.seq_id = next(_seq_ids)
         self.group_id = self.group_id or self.request_id
         self.all_token_ids = list(self.prompt_token_ids) + self.output_token_ids
         seed = self.sampling_params.seed
         if seed is not None and self.generator is None:
-            self.generator = torch.Generator().manual_seed(seed + self.sample_index)
+            self.generator = torch.Generator().manual_seed((seed + self.sample_index) % 2**64)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -131,8 +131,7 @@ class Scheduler:
     def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
-            seqs = req.sampling_params.n if req.needs_fork else 1
-            if len(self.running) + seqs > self.config.max_num_seqs:
+            if self._num_seats() + self._seats(req) > self.config.max_num_seqs:
                 break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(req, n):
@@ -145,16 +144,28 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
 
+    @staticmethod
+    def _seats(req: Request) -> int:
+        """Running slots a request takes, counting siblings it has yet to fork."""
+        return req.sampling_params.n if req.needs_fork else 1
+
+    def _num_seats(self) -> int:
+        return sum(self._seats(r) for r in self.running)
+
     def _fork_samples(self, out: SchedulerOutput) -> None:
         """n > 1: once the prompt's last chunk is scheduled, its siblings share its blocks."""
         for s in out.scheduled:
-            if s.samples and s.request.needs_fork:
-                for index in range(1, s.request.sampling_params.n):
-                    child = s.request.fork(index)
+            parent = s.request
+            if s.samples and parent.needs_fork:
+                children = [parent.fork(index) for index in range(1, parent.sampling_params.n)]
+                for child in children:
                     child.status = RequestStatus.RUNNING
-                    self.kv.fork(s.request, child)
-                    self.running.append(child)
-                    out.forks.append((s.request, child))
+                    self.kv.fork(parent, child)
+                    out.forks.append((parent, child))
+                # right after the parent, so that only the last running request can be
+                # mid-prefill and decodes keep going first
+                at = self.running.index(parent) + 1
+                self.running[at:at] = children
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -164,7 +175,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Request]:
         """Advance progress, append sampled tokens, finish what stopped; returns requests that got a token."""
         updated = []
         for s in out.scheduled:
@@ -172,7 +183,7 @@ class Scheduler:
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens
         for req in [s.request for s in out.scheduled if s.samples] + [c for _, c in out.forks]:
-            token = sampled[req.request_id]
+            token = sampled[req.seq_id]
             req.append_output_token(token.token_id, token.logprobs)
             if req.times.first_token is None:
                 req.times.first_token = time.monotonic()

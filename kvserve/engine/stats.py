@@ -77,7 +77,7 @@ def _kv_slot_usage(scheduler: Scheduler) -> tuple[int, int]:
     kv = scheduler.kv
     tails: dict[int, int] = {}
     for req in scheduler.running:
-        table = kv.block_tables.get(req.request_id)
+        table = kv.block_tables.get(req.seq_id)
         if table:
             tails[table[-1].block_id] = len(table) * kv.block_size - req.num_computed_tokens
     return kv.pool.num_used_blocks * kv.block_size, sum(tails.values())

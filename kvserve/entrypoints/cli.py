@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from dataclasses import fields
 from typing import Any
@@ -132,7 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(level=logging.INFO, format="[kvserve] %(message)s")
     args = build_parser().parse_args(argv)
     try:
         args.func(args)

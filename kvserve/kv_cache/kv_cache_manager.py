@@ -29,7 +29,7 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[KVCacheBlock]] = {}
+        self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by Request.seq_id
         self.pending_copies: list[BlockCopy] = []
         self.num_cow_copies = 0
 
@@ -37,12 +37,12 @@ class KVCacheManager:
     def num_tokens_capacity(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(request_id, ())]
+    def block_ids(self, request: Request) -> list[int]:
+        return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
 
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """New blocks (plus a copy-on-write one) that writing these tokens takes."""
-        table = self.block_tables.get(request.request_id, [])
+        table = self.block_tables.get(request.seq_id, [])
         start = request.num_computed_tokens
         grow = max(0, cdiv(start + num_new_tokens, self.block_size) - len(table))
         return grow + int(self._shared_tail(table, start) is not None)
@@ -51,7 +51,7 @@ class KVCacheManager:
         """Make room for the next `num_new_tokens` of `request`; False (and no change) if out of blocks."""
         if self.blocks_needed(request, num_new_tokens) > self.pool.num_free_blocks:
             return False
-        table = self.block_tables.setdefault(request.request_id, [])
+        table = self.block_tables.setdefault(request.seq_id, [])
         start = request.num_computed_tokens
         shared = self._shared_tail(table, start)
         if shared is not None:
@@ -82,10 +82,10 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent, the partly filled last one too."""
-        table = self.block_tables[parent.request_id]
+        table = self.block_tables[parent.seq_id]
         self.pool.incr_ref(table)
-        self.block_tables[child.request_id] = list(table)
+        self.block_tables[child.seq_id] = list(table)
 
     def free(self, request: Request) -> None:
-        table = self.block_tables.pop(request.request_id, [])
+        table = self.block_tables.pop(request.seq_id, [])
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix

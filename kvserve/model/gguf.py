@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
+from kvserve.logger import logger
+
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
@@ -70,7 +72,7 @@ def read_weights(reader: gguf.GGUFReader, arch: str, heads: int, kv_heads: int) 
 def convert_gguf(path: Path, target: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    print(f"[kvserve] converting {path.name} once into {target} (dequantized float32)", flush=True)
+    logger.info("converting %s once into %s (dequantized float32)", path.name, target)
     reader = gguf.GGUFReader(path)
     arch = str(reader.fields["general.architecture"].contents())
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)

@@ -133,7 +133,13 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")
 
 
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj", "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+_FUSED = {
+    "q_proj": "qkv_proj",
+    "k_proj": "qkv_proj",
+    "v_proj": "qkv_proj",
+    "gate_proj": "gate_up_proj",
+    "up_proj": "gate_up_proj",
+}
 
 
 def _fused_target(name: str, cfg: ModelConfig) -> tuple[str, int]:
@@ -143,7 +149,8 @@ def _fused_target(name: str, cfg: ModelConfig) -> tuple[str, int]:
         return name, 0
     proj = parts[-2]
     q_rows, kv_rows = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    offsets = {"q_proj": 0, "k_proj": q_rows, "v_proj": q_rows + kv_rows, "gate_proj": 0, "up_proj": cfg.intermediate_size}
+    offsets = {"q_proj": 0, "k_proj": q_rows, "v_proj": q_rows + kv_rows}
+    offsets |= {"gate_proj": 0, "up_proj": cfg.intermediate_size}
     return ".".join(parts[:-2] + [_FUSED[proj], parts[-1]]), offsets[proj]
 
 

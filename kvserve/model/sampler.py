@@ -89,7 +89,7 @@ def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor)
     drop = ranks >= top_k.unsqueeze(1)
     sorted_probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # keeps the first token always
-    drop |= mass_before >= top_p.unsqueeze(1)
+    drop |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)  # cumsum rounds
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
