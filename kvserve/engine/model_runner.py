@@ -114,12 +114,14 @@ def _decode_tensors(tables: list[list[int]], lens: list[int], bs: int) -> dict[s
     padded = torch.zeros(len(tables), width, dtype=torch.long)
     for i, t in enumerate(tables):
         padded[i, : len(t)] = torch.tensor(t)
-    mask = torch.arange(width * bs).unsqueeze(0) < torch.tensor(lens, dtype=torch.long).unsqueeze(1)
-    return {"decode_block_tables": padded, "decode_mask": mask[:, None, None, :]}
+    context_lens = torch.tensor(lens, dtype=torch.int32)
+    mask = torch.arange(width * bs).unsqueeze(0) < context_lens.unsqueeze(1)
+    return {"decode_block_tables": padded, "decode_context_lens": context_lens, "decode_mask": mask[:, None, None, :]}
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     meta.decode_block_tables = meta.decode_block_tables.to(device)
+    meta.decode_context_lens = meta.decode_context_lens.to(device)
     meta.decode_mask = meta.decode_mask.to(device)
     for seq in meta.prefills:
         seq.block_table = seq.block_table.to(device)

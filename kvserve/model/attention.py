@@ -33,7 +33,8 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor  # [num_tokens] where each new token's K/V goes
     num_decode_tokens: int
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded
+    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with 0
+    decode_context_lens: torch.Tensor  # [num_decodes] int32: tokens each decode attends to
     decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSeq]
 

@@ -26,10 +26,11 @@ class Sampler:
         logits = logits.float().cpu()
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        logits = logits.clone()
-        for i, req in enumerate(requests):
-            apply_penalties(logits[i], req)
-            mask_stop_tokens_before_min(logits[i], req)
+        if any(r.sampling_params.has_penalties or r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
+            logits = logits.clone()  # the caller's logits stay as they were
+            for i, req in enumerate(requests):
+                apply_penalties(logits[i], req)
+                mask_stop_tokens_before_min(logits[i], req)
         token_ids = self._choose(logits, requests)
         return [
             SampledToken(tok, _top_logprobs(raw_logprobs[i], tok, req) if raw_logprobs is not None else None)
