@@ -61,6 +61,8 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context length
+    enable_prefix_caching: bool = True
+    prefix_cache: str = "radix"  # "radix" (RadixAttention tree) or "hash" (chained block hashes)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,5 +70,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if parse_memory(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.prefix_cache not in ("radix", "hash"):
+            raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {self.prefix_cache!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")

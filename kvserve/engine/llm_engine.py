@@ -13,7 +13,8 @@ from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.stats import EngineStats
-from kvserve.kv_cache.kv_cache_manager import KVCacheManager
+from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
+from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.logger import logger
 from kvserve.model.config import ModelConfig
 from kvserve.model.llama import LlamaForCausalLM
@@ -43,7 +44,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         model = load_model(model_dir, self.model_config, self.dtype, self.device)
         num_blocks = self._num_blocks()
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        cache_kind = config.prefix_cache if config.enable_prefix_caching else None
+        self.kv = KVCacheManager(num_blocks, config.block_size, make_prefix_cache(cache_kind, config.block_size))
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.kv
@@ -72,15 +74,22 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError (naming the problem) if it could never run."""
+        """Queue a request; raises ValueError (naming the problem) if it could never run.
+
+        Requests with different `cache_salt` never share cached prefixes (the server
+        derives it from the caller's API key).
+        """
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
-        request = Request(request_id, prompt_ids, params, eos_token_ids=tuple(self.eos_token_ids))
+        request = Request(
+            request_id, prompt_ids, params, eos_token_ids=tuple(self.eos_token_ids), extra_key=extra_key(cache_salt)
+        )
         self.scheduler.add_request(request)
         self.output_processor.add_group(request, prompt if isinstance(prompt, str) else None)
         return request_id
@@ -101,6 +110,12 @@ class LLMEngine:
         samples = [s.request for s in group.samples.values()]
         running = [r for r in self.scheduler.running if r.group_id == request_id]
         self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), RequestStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix. Refused (returns False) while requests run, as in vLLM."""
+        if self.has_unfinished_requests():
+            return False
+        return self.kv.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()

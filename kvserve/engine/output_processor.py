@@ -80,6 +80,7 @@ class OutputProcessor:
             prompt_token_ids=group.prompt_token_ids,
             outputs=completions,
             finished=group.finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=_metrics(first),
         )
 

@@ -42,11 +42,13 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 1 << 30  # context limit: min(max_model_len, whole pool)
+    extra_key: bytes = b""  # partitions the prefix cache: digest of tenant salt, adapter
     group_id: str = ""  # the user's request id; n > 1 samples share it
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     times: RequestTimes = field(default_factory=RequestTimes)

@@ -133,16 +133,26 @@ class Scheduler:
             req = self.waiting[0]
             if self._num_seats() + self._seats(req) > self.config.max_num_seqs:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self.kv.allocate_slots(req, n):
+            hit = self.kv.match_prefix(req)
+            cached = hit.num_blocks * self.kv.block_size if hit else 0
+            n = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
+            self._record_prefix_hit(req, cached)
             req.status = RequestStatus.RUNNING
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = time.monotonic()
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _record_prefix_hit(self, req: Request, cached: int) -> None:
+        req.num_computed_tokens = cached
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = cached
+        self.kv.prefix_stats.queries += req.num_tokens
+        self.kv.prefix_stats.hits += cached
 
     @staticmethod
     def _seats(req: Request) -> int:
@@ -180,6 +190,7 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(s.request)
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens
         for req in [s.request for s in out.scheduled if s.samples] + [c for _, c in out.forks]:

@@ -14,7 +14,8 @@ class StepStats:
     num_running: int
     num_waiting: int
     kv_blocks_used: int
-    kv_blocks_free: int
+    kv_blocks_free: int  # free and not cached
+    kv_blocks_evictable: int  # cached, unreferenced: matchable until an allocation needs them
     num_batched_tokens: int
     num_prefill_tokens: int  # tokens of chunks longer than one (prompts, recomputes)
     num_decode_tokens: int
@@ -32,11 +33,19 @@ class EngineStats:
     generation_tokens: int = 0
     prefill_tokens_computed: int = 0  # includes recomputation after preemption
     finished_requests: Counter[str] = field(default_factory=Counter)  # by finish reason
+    prefix_cache_queries: int = 0  # tokens looked up at admission
+    prefix_cache_hits: int = 0  # of those, found cached
+    prefix_cache_evictions: int = 0  # blocks
+    prefix_cache_blocks: int = 0  # cached now (in use or evictable)
     peak_kv_blocks_used: int = 0
     peak_running: int = 0
     kv_slots_allocated_sum: int = 0  # summed over steps: waste = unused / allocated
     kv_slots_unused_sum: int = 0
     last_step: StepStats | None = None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     @property
     def kv_waste(self) -> float:
@@ -51,6 +60,7 @@ class EngineStats:
             num_waiting=len(scheduler.waiting),
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_evictable=pool.num_evictable_blocks,
             num_batched_tokens=out.num_batched_tokens,
             num_prefill_tokens=prefill,
             num_decode_tokens=out.num_batched_tokens - prefill,
@@ -66,10 +76,19 @@ class EngineStats:
         self.generation_tokens += len(updated)
         self.prompt_tokens += sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1)
         self.finished_requests.update(r.status.value for r in updated if r.status.finished)
+        self._record_prefix_cache(scheduler)
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, step.kv_blocks_used)
         self.peak_running = max(self.peak_running, len(out.scheduled))
         self.kv_slots_allocated_sum += allocated
         self.kv_slots_unused_sum += unused
+
+
+    def _record_prefix_cache(self, scheduler: Scheduler) -> None:
+        kv = scheduler.kv
+        self.prefix_cache_queries, self.prefix_cache_hits = kv.prefix_stats.queries, kv.prefix_stats.hits
+        if kv.prefix_cache is not None:
+            self.prefix_cache_evictions = kv.prefix_cache.num_evictions
+            self.prefix_cache_blocks = kv.prefix_cache.size_info().cached_blocks
 
 
 def _kv_slot_usage(scheduler: Scheduler) -> tuple[int, int]:

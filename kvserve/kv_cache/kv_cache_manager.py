@@ -1,8 +1,11 @@
-"""What the scheduler talks to: allocate slots, fork (copy-on-write), free.
+"""What the scheduler talks to: match a cached prefix, allocate slots, fork, free.
 
 Each request owns a `BlockTable`, its physical blocks in logical order. Blocks are
 taken only when tokens are about to be written and given back the moment a
 request finishes, is aborted or preempted. A failed allocation changes nothing.
+With a prefix cache, a new request starts from the cached blocks of its longest
+cached prefix, and every block that fills (prompt or generated tokens) is
+inserted so later requests, and this one after a preemption, find it.
 """
 
 from __future__ import annotations
@@ -11,10 +14,23 @@ from dataclasses import dataclass
 
 from kvserve.engine.request import Request
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.kv_cache.hash_chain_cache import HashChainCache
+from kvserve.kv_cache.prefix_cache import PrefixCache, PrefixMatch
+from kvserve.kv_cache.radix_cache import RadixCache
+
+PREFIX_CACHES: dict[str, type[PrefixCache]] = {"radix": RadixCache, "hash": HashChainCache}
 
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def make_prefix_cache(kind: str | None, block_size: int) -> PrefixCache | None:
+    if kind is None:
+        return None
+    if kind not in PREFIX_CACHES:
+        raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {kind!r}")
+    return PREFIX_CACHES[kind](block_size)
 
 
 @dataclass(frozen=True)
@@ -25,13 +41,30 @@ class BlockCopy:
     dst: int
 
 
+@dataclass
+class CachedPrefix:
+    """How much of a request's table the prefix cache holds, and where to continue."""
+
+    handle: object
+    num_blocks: int
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # tokens looked up at admission
+    hits: int = 0  # of those, tokens found cached
+
+
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None):
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.prefix_cache = prefix_cache
+        self.pool = BlockPool(num_blocks, evictor=prefix_cache)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by Request.seq_id
+        self.cached_prefixes: dict[int, CachedPrefix] = {}  # by Request.seq_id
         self.pending_copies: list[BlockCopy] = []
         self.num_cow_copies = 0
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -40,19 +73,35 @@ class KVCacheManager:
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """New blocks (plus a copy-on-write one) that writing these tokens takes."""
-        table = self.block_tables.get(request.seq_id, [])
-        start = request.num_computed_tokens
-        grow = max(0, cdiv(start + num_new_tokens, self.block_size) - len(table))
-        return grow + int(self._shared_tail(table, start) is not None)
+    def match_prefix(self, request: Request) -> PrefixMatch | None:
+        """The cached blocks a request with no blocks yet can start from (changes no ref count)."""
+        if self.prefix_cache is None:
+            return None
+        usable = (request.num_tokens - 1) // self.block_size * self.block_size  # the last token's logits are needed
+        return self.prefix_cache.match_prefix(request.all_token_ids[:usable], request.extra_key)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Make room for the next `num_new_tokens` of `request`; False (and no change) if out of blocks."""
-        if self.blocks_needed(request, num_new_tokens) > self.pool.num_free_blocks:
+    def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixMatch | None = None) -> int:
+        """Blocks (new ones, a copy-on-write one, evictable hits revived) that scheduling these tokens takes."""
+        table = self.block_tables.get(request.seq_id, [])
+        hit_blocks = hit.blocks if hit else []
+        start = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        grow = max(0, cdiv(start + num_new_tokens, self.block_size) - max(len(table), len(hit_blocks)))
+        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
+        return grow + revived + int(self._shared_tail(table, start) is not None)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixMatch | None = None) -> bool:
+        """Make room for `num_new_tokens` after the computed (and hit) ones; False, and no change, if out of blocks.
+
+        `hit` (from `match_prefix`) is only given for a request that holds no blocks yet.
+        """
+        if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_available_blocks:
             return False
         table = self.block_tables.setdefault(request.seq_id, [])
-        start = request.num_computed_tokens
+        if hit is not None:
+            self.pool.incr_ref(hit.blocks)  # before allocating, so eviction cannot take them
+            table.extend(hit.blocks)
+            self.cached_prefixes[request.seq_id] = CachedPrefix(hit.handle, hit.num_blocks)
+        start = request.num_computed_tokens + (hit.num_blocks * self.block_size if hit else 0)
         shared = self._shared_tail(table, start)
         if shared is not None:
             self._copy_on_write(table, shared)
@@ -80,12 +129,45 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    def cache_full_blocks(self, request: Request) -> None:
+        """Insert the blocks this request has filled since the last call (prompt and output tokens)."""
+        if self.prefix_cache is None:
+            return
+        table = self.block_tables[request.seq_id]
+        done = self.cached_prefixes.get(request.seq_id) or CachedPrefix(
+            self.prefix_cache.root_handle(request.extra_key), 0
+        )
+        full = request.num_computed_tokens // self.block_size
+        if full <= done.num_blocks:
+            return
+        bs = self.block_size
+        tokens = request.all_token_ids[done.num_blocks * bs : full * bs]
+        handle, held = self.prefix_cache.insert(done.handle, tokens, table[done.num_blocks : full], request.extra_key)
+        for i, block in enumerate(held, start=done.num_blocks):
+            if block is not table[i]:  # someone cached this prefix first: share theirs, drop ours
+                self.pool.incr_ref([block])
+                self.pool.free_blocks([table[i]])
+                table[i] = block
+        self.cached_prefixes[request.seq_id] = CachedPrefix(handle, full)
+
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent, the partly filled last one too."""
         table = self.block_tables[parent.seq_id]
         self.pool.incr_ref(table)
         self.block_tables[child.seq_id] = list(table)
+        if parent.seq_id in self.cached_prefixes:
+            done = self.cached_prefixes[parent.seq_id]
+            self.cached_prefixes[child.seq_id] = CachedPrefix(done.handle, done.num_blocks)
 
     def free(self, request: Request) -> None:
+        self.cached_prefixes.pop(request.seq_id, None)
         table = self.block_tables.pop(request.seq_id, [])
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; refused (False) while any request holds blocks."""
+        if self.block_tables:
+            return False
+        if self.prefix_cache is not None:
+            self.pool.reclaim(self.pool.num_evictable_blocks)
+        return True
