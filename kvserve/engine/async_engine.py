@@ -1,0 +1,158 @@
+"""The engine for a server: its step loop runs in its own thread, off the event loop.
+
+Only the engine thread touches `LLMEngine`. Coroutines hand it requests and
+aborts through a command queue and receive `RequestOutput`s through one
+asyncio queue per request, so HTTP stays responsive while the model computes
+(torch releases the GIL in its kernels). Prompts are tokenized by the caller, in
+a worker thread, so a huge prompt never stalls the loop or the engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
+from kvserve.logger import logger
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server accepts (HTTP 429)."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    outputs: asyncio.Queue[RequestOutput | BaseException]
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Add] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.on_step: list[Callable[[list[RequestOutput]], None]] = []  # metrics hooks, engine thread
+        self.errored: BaseException | None = None
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, max_queued_requests: int | None = None) -> AsyncLLMEngine:
+        return cls(LLMEngine(config), max_queued_requests)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="kvserve-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        self._commands.put(None)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield outputs until the request finishes; raises the engine's ValueError for a bad request.
+
+        Cancelling the consumer (a client that disconnected) aborts the request and
+        frees its blocks at once.
+        """
+        if self.errored is not None:
+            raise RuntimeError("the engine has stopped after an error") from self.errored
+        if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
+            raise QueueFullError(f"{self.num_waiting()} requests are already queued")
+        if isinstance(prompt, str):  # tokenize here, not in the engine thread
+            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
+        add = _Add(request_id, prompt, params, cache_salt, asyncio.Queue())
+        self._commands.put(add)
+        finished = False
+        try:
+            while not finished:
+                item = await add.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    def num_waiting(self) -> int:
+        """Queued in the scheduler, plus handed over but not yet applied."""
+        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished_requests()
+                if not self._apply_commands(block):
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._publish(self.engine.step())
+        except BaseException as e:  # a bug, not a bad request: fail every stream, loudly
+            logger.exception("engine loop crashed")
+            self.errored = e
+            for add in list(self._streams.values()):
+                self._deliver(add, e)
+
+    def _apply_commands(self, block: bool) -> bool:
+        """Apply queued adds/aborts (waiting for one when idle); False on shutdown."""
+        while True:
+            try:
+                cmd = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if cmd is None:
+                return False
+            if isinstance(cmd, _Abort):
+                self._streams.pop(cmd.request_id, None)
+                self.engine.abort_request(cmd.request_id)
+                continue
+            try:
+                self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
+                self._streams[cmd.request_id] = cmd
+            except ValueError as e:
+                self._deliver(cmd, e)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            add = self._streams.get(out.request_id)
+            if add is not None:
+                self._deliver(add, out)
+                if out.finished:
+                    del self._streams[out.request_id]
+        for hook in self.on_step:
+            hook(outputs)
+
+    def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(add.outputs.put_nowait, item)
