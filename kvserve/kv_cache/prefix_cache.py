@@ -21,8 +21,12 @@ def extra_key(cache_salt: str | None = None, adapter_id: str | None = None) -> b
     """What partitions the cache besides tokens; salts enter only as a digest."""
     if cache_salt is None and adapter_id is None:
         return b""
-    parts = f"salt:{cache_salt or ''}\x00adapter:{adapter_id or ''}"
-    return hashlib.sha256(parts.encode()).digest()
+    h = hashlib.sha256()
+    for part in (cache_salt or "", adapter_id or ""):
+        data = part.encode()
+        h.update(len(data).to_bytes(8, "little"))  # length-prefixed: no two pairs can collide
+        h.update(data)
+    return h.digest()
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class RadixCache(PrefixCache):
     def insert(
         self, handle: object, token_ids: Sequence[int], blocks: list[KVCacheBlock], extra_key: bytes
     ) -> tuple[object, list[KVCacheBlock]]:
-        assert isinstance(handle, RadixNode)
+        assert isinstance(handle, RadixNode) and len(token_ids) == len(blocks) * self.block_size
         node, i, held = self._walk(handle, token_ids, 0)
         if i < len(blocks):
             node = self._add_leaf(node, list(token_ids[i * self.block_size :]), blocks[i:])
