@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 serve: $(STAMP)
-	$(VENV)/bin/kvserve chat
+	$(VENV)/bin/kvserve serve
 
 test: $(STAMP)
 	$(PY) -m pytest -q

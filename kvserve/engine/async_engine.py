@@ -46,6 +46,7 @@ class AsyncLLMEngine:
         self.max_queued_requests = max_queued_requests
         self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
+        self._adds_sent = self._adds_applied = 0  # each written by one thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self.on_step: list[Callable[[list[RequestOutput]], None]] = []  # metrics hooks, engine thread
@@ -92,6 +93,7 @@ class AsyncLLMEngine:
         if isinstance(prompt, str):  # tokenize here, not in the engine thread
             prompt = await asyncio.to_thread(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
         add = _Add(request_id, prompt, params, cache_salt, asyncio.Queue())
+        self._adds_sent += 1
         self._commands.put(add)
         finished = False
         try:
@@ -107,7 +109,7 @@ class AsyncLLMEngine:
 
     def num_waiting(self) -> int:
         """Queued in the scheduler, plus handed over but not yet applied."""
-        return len(self.engine.scheduler.waiting) + self._commands.qsize()
+        return len(self.engine.scheduler.waiting) + self._adds_sent - self._adds_applied
 
     def _run(self) -> None:
         try:
@@ -137,6 +139,7 @@ class AsyncLLMEngine:
                 self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
                 continue
+            self._adds_applied += 1
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
                 self._streams[cmd.request_id] = cmd

@@ -106,6 +106,7 @@ class LLMEngine:
         group = self.output_processor.drop(request_id)
         if group is None:
             return
+        self.stats.finished_requests["abort"] += 1
         pending = [r for r in self.scheduler.waiting if r.group_id == request_id]
         samples = [s.request for s in group.samples.values()]
         running = [r for r in self.scheduler.running if r.group_id == request_id]
@@ -130,5 +131,5 @@ class LLMEngine:
         stopped = self.output_processor.update_text(updated)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         outputs = self.output_processor.make_outputs(updated)
-        self.stats.record_step(self.scheduler, out, updated, time.perf_counter() - start)
+        self.stats.record_step(self.scheduler, out, updated, outputs, time.perf_counter() - start)
         return outputs

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.outputs import RequestOutput
 
 
 @dataclass
@@ -32,7 +33,7 @@ class EngineStats:
     prompt_tokens: int = 0  # prompts of requests that produced their first token
     generation_tokens: int = 0
     prefill_tokens_computed: int = 0  # includes recomputation after preemption
-    finished_requests: Counter[str] = field(default_factory=Counter)  # by finish reason
+    finished_requests: Counter[str] = field(default_factory=Counter)  # user requests, by first sample's reason
     prefix_cache_queries: int = 0  # tokens looked up at admission
     prefix_cache_hits: int = 0  # of those, found cached
     prefix_cache_evictions: int = 0  # blocks
@@ -51,7 +52,14 @@ class EngineStats:
     def kv_waste(self) -> float:
         return self.kv_slots_unused_sum / self.kv_slots_allocated_sum if self.kv_slots_allocated_sum else 0.0
 
-    def record_step(self, scheduler: Scheduler, out: SchedulerOutput, updated: list[Request], step_time: float) -> None:
+    def record_step(
+        self,
+        scheduler: Scheduler,
+        out: SchedulerOutput,
+        updated: list[Request],
+        outputs: list[RequestOutput],
+        step_time: float,
+    ) -> None:
         pool = scheduler.kv.pool
         prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
         allocated, unused = _kv_slot_usage(scheduler)
@@ -74,8 +82,9 @@ class EngineStats:
         self.num_preemptions += step.num_preempted
         self.prefill_tokens_computed += prefill
         self.generation_tokens += len(updated)
-        self.prompt_tokens += sum(r.num_prompt_tokens for r in updated if r.num_output_tokens == 1)
-        self.finished_requests.update(r.status.value for r in updated if r.status.finished)
+        first_tokens = [r for r in updated if r.num_output_tokens == 1 and r.sample_index == 0]
+        self.prompt_tokens += sum(r.num_prompt_tokens for r in first_tokens)
+        self.finished_requests.update(o.outputs[0].finish_reason for o in outputs if o.finished)
         self._record_prefix_cache(scheduler)
         self.peak_kv_blocks_used = max(self.peak_kv_blocks_used, step.kv_blocks_used)
         self.peak_running = max(self.peak_running, len(out.scheduled))

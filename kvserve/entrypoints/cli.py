@@ -1,4 +1,4 @@
-"""`kvserve` command line: generate, chat, bench, cache."""
+"""`kvserve` command line: serve, generate, chat, bench, cache."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ _ENGINE_HELP = {
     "device": "auto | cpu | cuda",
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",
+    "prefix_cache": "radix (RadixAttention tree) | hash (chained block hashes)",
 }
 
 
@@ -22,6 +23,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """One flag per EngineConfig field, e.g. --max-num-seqs."""
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":  # --enable-prefix-caching / --no-enable-prefix-caching, as in vLLM
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
         kind = int if f.type in ("int", "int | None") else str
         parser.add_argument(flag, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
 
@@ -35,7 +39,7 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", dest="sampling_seed", type=int, default=None)
+    parser.add_argument("--sampling-seed", type=int, default=None)  # --seed is the engine's
 
 
 def sampling_params(args: argparse.Namespace):
@@ -97,6 +101,14 @@ def stream_reply(engine, prompt: str, sp) -> str:
     return shown
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from kvserve.server.api_server import run_server
+
+    if args.model_tag is not None:
+        args.model = args.model_tag
+    run_server(args)
+
+
 def cmd_cache_clear(args: argparse.Namespace) -> None:
     from kvserve.model.loader import clear_cache
 
@@ -106,6 +118,14 @@ def cmd_cache_clear(args: argparse.Namespace) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+
+    from kvserve.server.args import add_server_args
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model_tag", nargs="?", default=None, help="the model to serve (same as --model)")
+    add_engine_args(serve)
+    add_server_args(serve)
+    serve.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="one completion for a prompt")
     gen.add_argument("prompt")

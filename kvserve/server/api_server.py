@@ -1,0 +1,207 @@
+"""The OpenAI-compatible HTTP server: FastAPI app, routes, and running it under uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import secrets
+import signal
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from importlib.metadata import version
+from typing import Annotated, Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.entrypoints.cli import engine_config
+from kvserve.logger import logger
+from kvserve.server.async_utils import with_cancellation
+from kvserve.server.auth import ApiKeys
+from kvserve.server.errors import APIError, add_exception_handlers
+from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from kvserve.server.middleware import BodySizeLimit
+from kvserve.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from kvserve.server.serving_chat import OpenAIServingChat
+from kvserve.server.serving_completion import OpenAIServingCompletion
+from kvserve.server.serving_tokenization import OpenAIServingTokenization
+from kvserve.server.stats_logger import StatsLogger
+
+router = APIRouter()
+_bearer = HTTPBearer(auto_error=False)
+_ERRORS: dict[int | str, dict[str, Any]] = {c: {"model": ErrorResponse} for c in (400, 401, 404, 413, 429, 500)}
+_STREAMABLE = {**_ERRORS, 200: {"content": {"text/event-stream": {}}, "description": "JSON, or events if stream"}}
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    served_model_name: str
+    api_keys: ApiKeys
+    cache_secret: bytes
+    max_request_body_size: int
+    stats_log_interval: float
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServerSettings:
+        if args.api_keys:
+            keys = ApiKeys.from_file(args.api_keys)
+        else:
+            keys = ApiKeys.from_key(args.api_key) if args.api_key else ApiKeys({})
+        secret = args.cache_secret.encode() if args.cache_secret else secrets.token_bytes(32)
+        return cls(
+            args.served_model_name or args.model, keys, secret, args.max_request_body_size, args.stats_log_interval
+        )
+
+
+def authenticate(
+    raw_request: Request, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> str:
+    """The caller's tenant, from `Authorization: Bearer <key>`; 401 without a valid key."""
+    tenant = raw_request.app.state.api_keys.tenant(credentials.credentials if credentials else None)
+    if tenant is None:
+        raise APIError(401, "Incorrect or missing API key: send `Authorization: Bearer <key>`.", code="invalid_api_key")
+    return tenant
+
+
+Tenant = Annotated[str, Depends(authenticate)]
+
+
+@router.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMABLE)
+@with_cancellation
+async def create_completion(request: CompletionRequest, raw_request: Request, tenant: Tenant) -> Any:
+    return await raw_request.app.state.openai_serving_completion.create_completion(request, tenant)
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMABLE)
+@with_cancellation
+async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request, tenant: Tenant) -> Any:
+    return await raw_request.app.state.openai_serving_chat.create_chat_completion(request, tenant)
+
+
+@router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+async def show_available_models(raw_request: Request, tenant: Tenant) -> ModelList:
+    serving = raw_request.app.state.openai_serving_chat
+    card = ModelCard(
+        id=serving.served_model_name, root=serving.engine.engine.config.model, max_model_len=serving.max_model_len
+    )
+    return ModelList(data=[card])
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+async def tokenize(
+    request: TokenizeCompletionRequest | TokenizeChatRequest, raw_request: Request, tenant: Tenant
+) -> TokenizeResponse:
+    return await raw_request.app.state.openai_serving_tokenization.create_tokenize(request)
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+async def detokenize(request: DetokenizeRequest, raw_request: Request, tenant: Tenant) -> DetokenizeResponse:
+    return await raw_request.app.state.openai_serving_tokenization.create_detokenize(request)
+
+
+@router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
+async def health(raw_request: Request) -> Any:
+    if raw_request.app.state.engine.errored is not None:
+        raise APIError(503, "the engine has stopped after an error", type="server_error")
+    return HealthResponse(status="ok")
+
+
+@router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})
+async def metrics(raw_request: Request) -> Response:
+    return Response(raw_request.app.state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/version", response_model=VersionResponse)
+async def show_version() -> VersionResponse:
+    return VersionResponse(version=version("kvserve"))
+
+
+@asynccontextmanager
+async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    engine: AsyncLLMEngine = app.state.engine
+    engine.start()
+    stats_logger = asyncio.create_task(StatsLogger(engine, app.state.stats_log_interval).run())
+    try:
+        yield
+    finally:
+        stats_logger.cancel()
+        await engine.stop()
+
+
+def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+    app = FastAPI(title="kvserve", version=version("kvserve"), lifespan=lifespan)
+    app.include_router(router)
+    add_exception_handlers(app)
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_size)
+    metrics = ServerMetrics(engine)
+    engine.on_step.append(metrics.latency)
+    state = app.state
+    state.engine, state.api_keys, state.metrics = engine, settings.api_keys, metrics
+    state.stats_log_interval = settings.stats_log_interval
+    serving = (engine, settings.served_model_name, metrics, settings.cache_secret)
+    state.openai_serving_completion = OpenAIServingCompletion(*serving)
+    state.openai_serving_chat = OpenAIServingChat(*serving)
+    state.openai_serving_tokenization = OpenAIServingTokenization(*serving)
+    return app
+
+
+def create_server(args: argparse.Namespace) -> uvicorn.Server:
+    """Load the model and build the app; the returned server listens once run."""
+    settings = ServerSettings.from_args(args)
+    if settings.api_keys.open and not _is_loopback(args.host):
+        logger.warning(
+            "no --api-key or --api-keys: anyone who can reach %s:%d can use this server", args.host, args.port
+        )
+    engine = AsyncLLMEngine.from_config(engine_config(args), args.max_queued_requests)
+    app = build_app(engine, settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=args.shutdown_timeout)
+    return uvicorn.Server(config)
+
+
+def run_server(args: argparse.Namespace) -> None:
+    server = create_server(args)
+    with _exit_cleanly_after_signal():
+        server.run()
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextmanager
+def _exit_cleanly_after_signal() -> Iterator[None]:
+    """uvicorn drains on SIGTERM/SIGINT, then re-raises the signal to the handler it found.
+
+    That handler is this no-op, so a drained shutdown returns normally and exits with status 0.
+    """
+    handled = (signal.SIGINT, signal.SIGTERM)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in handled}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

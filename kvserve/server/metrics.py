@@ -1,0 +1,128 @@
+"""Prometheus metrics, named as vLLM's with a `kvserve:` prefix, in a registry per server.
+
+Engine counters are read from `engine.stats` at scrape time; gauges from the live
+scheduler and block pool (so an abort that freed blocks shows at once); latency
+histograms are fed by an `on_step` hook in the engine thread; per-tenant counters
+by the request handlers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.outputs import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# fmt: off
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                          2.5, 5.0, 7.5, 10.0)
+# fmt: on
+
+
+class EngineCollector(Collector):
+    """Gauges and counters of the engine, read when scraped."""
+
+    def __init__(self, engine: AsyncLLMEngine):
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.engine.engine
+        stats = core.stats
+        yield _gauge("num_requests_running", "Sequences running on the engine.", len(core.scheduler.running))
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", self.engine.num_waiting())
+        yield _gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.", core.kv.pool.usage())
+        yield _counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
+        )
+        yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield _counter("num_preemptions", "Preemptions of running requests.", stats.num_preemptions)
+        yield _counter("prompt_tokens", "Prefill tokens of requests that produced a token.", stats.prompt_tokens)
+        yield _counter("generation_tokens", "Generated tokens.", stats.generation_tokens)
+        success = CounterMetricFamily(
+            "kvserve:request_success", "Finished requests, by finish reason.", labels=["finished_reason"]
+        )
+        for reason, count in sorted(dict(stats.finished_requests).items()):
+            success.add_metric([reason], count)
+        yield success
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(f"kvserve:{name}", doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(f"kvserve:{name}", doc, value=value)
+
+
+class LatencyObserver:
+    """The engine's `on_step` hook: time to first token, inter-token, end-to-end and queue latencies."""
+
+    def __init__(self, engine: AsyncLLMEngine, registry: CollectorRegistry):
+        self.engine = engine
+        self.last_token: dict[str, float] = {}  # request id -> when its last token came (engine thread only)
+        self.ttft = Histogram(
+            "kvserve:time_to_first_token_seconds", "Time to first token.", registry=registry, buckets=_LATENCY_BUCKETS
+        )
+        self.itl = Histogram(
+            "kvserve:inter_token_latency_seconds",
+            "Time between tokens of a request.",
+            registry=registry,
+            buckets=_TOKEN_LATENCY_BUCKETS,
+        )
+        self.e2e = Histogram(
+            "kvserve:e2e_request_latency_seconds", "Arrival to finish.", registry=registry, buckets=_LATENCY_BUCKETS
+        )
+        self.queue = Histogram(
+            "kvserve:request_queue_time_seconds",
+            "Arrival to first scheduled.",
+            registry=registry,
+            buckets=_LATENCY_BUCKETS,
+        )
+
+    def __call__(self, outputs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            self._observe(out, now)
+        live = self.engine.engine.output_processor.groups
+        if len(self.last_token) > len(live):  # aborted requests never finish: forget them
+            self.last_token = {rid: t for rid, t in self.last_token.items() if rid in live}
+
+    def _observe(self, out: RequestOutput, now: float) -> None:
+        m = out.metrics
+        previous = self.last_token.get(out.request_id)
+        if previous is None and m is not None and m.time_to_first_token is not None:
+            self.ttft.observe(m.time_to_first_token)
+            if m.queue_time is not None:
+                self.queue.observe(m.queue_time)
+        elif previous is not None:
+            self.itl.observe(now - previous)
+        if out.finished:
+            self.last_token.pop(out.request_id, None)
+            if m is not None:
+                self.e2e.observe(now - m.arrival_time)
+        else:
+            self.last_token[out.request_id] = now
+
+
+class ServerMetrics:
+    def __init__(self, engine: AsyncLLMEngine):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.latency = LatencyObserver(engine, self.registry)
+        self.tenant_requests = Counter(
+            "kvserve:tenant_requests", "Requests (prompts) per tenant.", ["tenant"], registry=self.registry
+        )
+        self.tenant_cached_tokens = Counter(
+            "kvserve:tenant_cached_tokens", "Prompt tokens served from the cache.", ["tenant"], registry=self.registry
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

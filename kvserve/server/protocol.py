@@ -1,0 +1,327 @@
+"""Request and response models of the OpenAI-compatible API (names and defaults as in vLLM).
+
+Request models are strict and forbid unknown fields, and their constraints mirror
+`SamplingParams`, so `/openapi.json` tells the truth about what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+
+from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
+
+
+def _whole_number(value: object) -> object:
+    """JSON Schema's integers include 2.0: take it as 2 (a strict pydantic int would refuse it)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _unicode(value: str) -> str:
+    """JSON may escape lone surrogates, which no tokenizer (or UTF-8) takes."""
+    try:
+        value.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError("must be valid Unicode: it has a lone surrogate") from e
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_whole_number)]
+Text = Annotated[str, AfterValidator(_unicode)]
+NonEmptyStr = Annotated[Text, Field(min_length=1)]
+TokenId = Annotated[Int, Field(ge=0)]
+TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+Number = Annotated[float, Field(allow_inf_nan=False)]
+
+
+class RequestModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+# --- errors ---------------------------------------------------------------------------
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo
+
+
+# --- shared request fields ---------------------------------------------------------------
+
+
+class StreamOptions(RequestModel):
+    include_usage: bool = False
+
+
+class SamplingRequest(RequestModel):
+    """Fields every generation request shares; None means the default."""
+
+    model: Text | None = Field(None, description="must be the served model name; default: that model")
+    n: Annotated[Int, Field(ge=1)] = 1
+    temperature: Annotated[Number, Field(ge=0)] | None = Field(None, description="default 1.0")
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = Field(None, description="default 1.0")
+    top_k: Annotated[Int, Field(ge=-1)] | None = Field(None, description="-1 or 0: all tokens")
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
+    seed: Annotated[Int, Field(ge=-(2**63), le=2**64 - 1)] | None = None
+    min_tokens: Annotated[Int, Field(ge=0)] = 0
+    stop: NonEmptyStr | list[NonEmptyStr] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Text | None = None
+    cache_salt: NonEmptyStr | None = Field(
+        None, description="splits the caller's prefix cache further; never shares it with another tenant"
+    )
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    def sampling_fields(self) -> dict[str, Any]:
+        """The fields SamplingParams shares with every request, where set (max_tokens, logprobs differ)."""
+        names = {f.name for f in dataclasses.fields(SamplingParams) if f.init} & set(SamplingRequest.model_fields)
+        return {k: v for k in names if (v := getattr(self, k)) is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+# --- completions ------------------------------------------------------------------------------
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: (
+        NonEmptyStr
+        | TokenIds
+        | Annotated[list[NonEmptyStr], Field(min_length=1)]
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    ) = Field(description="a string, token ids, or a list of either (one set of choices per prompt)")
+    max_tokens: Annotated[Int, Field(ge=1)] | None = Field(16, description="null: up to the context length")
+    echo: bool = False
+    logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            raise ValueError("echo with logprobs needs prompt logprobs, which kvserve does not compute")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_fields())
+
+
+class CompletionLogProbs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class PromptTokenUsageInfo(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo = Field(default_factory=PromptTokenUsageInfo)
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo | None = None
+
+
+# --- chat completions ----------------------------------------------------------------------------
+
+
+class ChatCompletionContentPartText(RequestModel):
+    type: Literal["text"]
+    text: Text
+
+
+class ChatCompletionMessageParam(RequestModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Text | list[ChatCompletionContentPartText]
+    name: Text | None = None
+
+    def to_template(self) -> dict[str, str]:
+        """A message as the chat template takes it (text parts joined by newlines, as in vLLM)."""
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+        return {"role": self.role, "content": content}
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[ChatCompletionMessageParam], Field(min_length=1)]
+    max_completion_tokens: Annotated[Int, Field(ge=1)] | None = Field(
+        None, description="default: up to the context length"
+    )
+    max_tokens: Annotated[Int, Field(ge=1)] | None = Field(None, description="deprecated: max_completion_tokens")
+    logprobs: bool = False
+    top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs can only be set when logprobs is true")
+        return self
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self.sampling_fields())
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatCompletionLogProb(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+# --- models, tokenizer, version -------------------------------------------------------------
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvserve"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: Text | None = None
+    prompt: Text
+
+
+class TokenizeChatRequest(RequestModel):
+    model: Text | None = None
+    messages: Annotated[list[ChatCompletionMessageParam], Field(min_length=1)]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    model: Text | None = None
+    tokens: list[TokenId]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class VersionResponse(BaseModel):
+    version: str
+
+
+class HealthResponse(BaseModel):
+    status: str

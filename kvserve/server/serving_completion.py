@@ -1,0 +1,139 @@
+"""POST /v1/completions: one set of n choices per prompt, streamed or whole."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from fastapi import Response
+
+from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.server.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+)
+from kvserve.server.serving_engine import (
+    OpenAIServing,
+    StreamState,
+    by_rank,
+    collect_finals,
+    random_uuid,
+    stream_error,
+    usage,
+)
+from kvserve.server.sse import DONE, EventSourceResponse, sse_data
+
+_FIELDS = set(CompletionRequest.model_fields)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, tenant: str) -> CompletionResponse | Response:
+        self.check_model(request.model)
+        prompts = request.prompts()
+        prompt_ids = [p if isinstance(p, list) else await self.tokenize(p) for p in prompts]
+        for ids in prompt_ids:
+            self.check_context(len(ids), request.max_tokens, "prompt")
+        params = self.sampling_params(request, request.max_tokens)
+        echoes = [await self._echo_text(p) for p in prompts] if request.echo else None
+        request_id = f"cmpl-{random_uuid()}"
+        stream = self.generate(prompt_ids, params, request_id, tenant, request.cache_salt)
+        with self.engine_errors(_FIELDS):
+            first = await anext(stream)  # errors before the first token are still HTTP errors
+            if request.stream:
+                return EventSourceResponse(self._stream(request, request_id, first, stream, echoes))
+            finals = await collect_finals(first, stream, len(prompts))
+        return self._response(request, request_id, finals, echoes)
+
+    async def _echo_text(self, prompt: str | list[int]) -> str:
+        return prompt if isinstance(prompt, str) else await asyncio.to_thread(self.tokenizer.decode, prompt)
+
+    def _response(
+        self, request: CompletionRequest, request_id: str, finals: list[RequestOutput], echoes: list[str] | None
+    ) -> CompletionResponse:
+        choices = []
+        for i, out in enumerate(finals):
+            for c in out.outputs:
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * request.n + c.index,
+                        text=(echoes[i] if echoes else "") + c.text,
+                        logprobs=completion_logprobs(c, slice(None), 0)[0] if c.logprobs is not None else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage(finals))
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        request_id: str,
+        first: tuple[int, RequestOutput],
+        stream: AsyncIterator[tuple[int, RequestOutput]],
+        echoes: list[str] | None,
+    ) -> AsyncIterator[str]:
+        states: dict[int, StreamState] = {}
+        offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        finals: dict[int, RequestOutput] = {}
+
+        def chunk(i: int, out: RequestOutput) -> str | None:
+            choices = []
+            for c in out.outputs:
+                index = i * request.n + c.index
+                echo = echoes[i] if echoes and index not in states else ""
+                text, new = states.setdefault(index, StreamState()).advance(c)
+                logprobs = None
+                if c.logprobs is not None:
+                    logprobs, offsets[index] = completion_logprobs(c, new, offsets.get(index, 0))
+                if echo or text or c.finish_reason or (logprobs and logprobs.tokens):
+                    choices.append(
+                        CompletionResponseChoice(
+                            index=index,
+                            text=echo + text,
+                            logprobs=logprobs,
+                            finish_reason=c.finish_reason,
+                            stop_reason=c.stop_reason,
+                        )
+                    )
+            if out.finished:
+                finals[i] = out
+            if not choices:
+                return None
+            return sse_data(CompletionStreamResponse(id=request_id, model=self.served_model_name, choices=choices))
+
+        async with aclosing(stream):
+            try:
+                if data := chunk(*first):
+                    yield data
+                async for i, out in stream:
+                    if data := chunk(i, out):
+                        yield data
+                if request.include_usage:
+                    final_usage = usage([finals[i] for i in sorted(finals)])
+                    yield sse_data(
+                        CompletionStreamResponse(
+                            id=request_id, model=self.served_model_name, choices=[], usage=final_usage
+                        )
+                    )
+            except Exception as e:
+                yield stream_error(e)
+        yield DONE
+
+
+def completion_logprobs(c: CompletionOutput, new: slice, offset: int) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's completions logprobs for the tokens at `new`; also returns the next token's text offset."""
+    assert c.logprobs is not None
+    result = CompletionLogProbs()
+    for token_id, entry in zip(c.token_ids[new], c.logprobs[new], strict=True):
+        chosen = entry[token_id]
+        token = chosen.decoded_token or ""
+        result.tokens.append(token)
+        result.token_logprobs.append(chosen.logprob)
+        result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in by_rank(entry)})
+        result.text_offset.append(offset)
+        offset += len(token)
+    return result, offset

@@ -1,0 +1,178 @@
+"""What the completion and chat endpoints share: model check, tokenizing, context check, generation."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from kvserve.engine.async_engine import AsyncLLMEngine, QueueFullError
+from kvserve.logger import logger
+from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
+from kvserve.sampling_params import SamplingParams
+from kvserve.server.async_utils import merge_async_iterators
+from kvserve.server.auth import cache_salt
+from kvserve.server.errors import APIError, bad_request, value_error
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.protocol import (
+    ChatCompletionMessageParam,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorInfo,
+    ErrorResponse,
+    PromptTokenUsageInfo,
+    UsageInfo,
+)
+from kvserve.server.sse import sse_data
+from kvserve.tokenizer import apply_chat_template
+
+RETRY_AFTER_SECONDS = 1
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics, cache_secret: bytes):
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.served_model_name = served_model_name
+        self.metrics = metrics
+        self._cache_secret = cache_secret
+        self.max_model_len = engine.engine.scheduler.config.max_model_len
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    async def tokenize(self, text: str) -> list[int]:
+        """As the engine does, in a worker thread: a huge prompt must not stall the event loop."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+
+    async def encode_messages(self, messages: list[ChatCompletionMessageParam]) -> list[int]:
+        try:
+            prompt = await asyncio.to_thread(apply_chat_template, self.tokenizer, [m.to_template() for m in messages])
+        except (ValueError, TemplateError) as e:  # no template, or the template refused the messages
+            raise bad_request(str(e), "messages") from e
+        return await self.tokenize(prompt)
+
+    def check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> None:
+        """A 400 with the numbers when the prompt, or prompt plus max_tokens, exceeds the context."""
+        if num_prompt_tokens > self.max_model_len:
+            raise bad_request(
+                f"{prompt_field} is {num_prompt_tokens} tokens, longer than max_model_len={self.max_model_len}",
+                prompt_field,
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > self.max_model_len:
+            raise bad_request(
+                f"max_tokens={max_tokens} is too large: {num_prompt_tokens} prompt tokens + {max_tokens} > "
+                f"max_model_len={self.max_model_len}",
+                "max_tokens",
+            )
+
+    def sampling_params(
+        self, request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
+    ) -> SamplingParams:
+        try:
+            return request.to_sampling_params(max_tokens)
+        except ValueError as e:
+            raise value_error(e, set(type(request).model_fields)) from e
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        request_id: str,
+        tenant: str,
+        client_salt: str | None,
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of every prompt, tagged with the prompt's index, under the tenant's cache salt."""
+        salt = cache_salt(self._cache_secret, tenant, client_salt)
+        streams = [self._generate_one(p, params, f"{request_id}-{i}", salt, tenant) for i, p in enumerate(prompts)]
+        return merge_async_iterators(*streams)
+
+    async def _generate_one(
+        self, prompt: list[int], params: SamplingParams, request_id: str, salt: str, tenant: str
+    ) -> AsyncIterator[RequestOutput]:
+        first = True
+        async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=salt)) as outputs:
+            async for out in outputs:
+                if first:
+                    first = False
+                    self.metrics.tenant_requests.labels(tenant).inc()
+                    self.metrics.tenant_cached_tokens.labels(tenant).inc(out.num_cached_tokens)
+                yield out
+
+    @contextmanager
+    def engine_errors(self, fields: set[str], rename: dict[str, str] | None = None) -> Iterator[None]:
+        """The engine's refusals as HTTP errors: a full queue is 429, a bad request 400."""
+        try:
+            yield
+        except QueueFullError as e:
+            raise APIError(
+                429,
+                f"too many requests queued ({e}); retry later",
+                code="queue_full",
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from e
+        except ValueError as e:
+            raise value_error(e, fields, rename) from e
+
+
+def usage(finals: list[RequestOutput]) -> UsageInfo:
+    """Usage over the final outputs of every prompt of one HTTP request."""
+    prompt = sum(len(o.prompt_token_ids) for o in finals)
+    completion = sum(len(c.token_ids) for o in finals for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in finals)
+    return UsageInfo(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokenUsageInfo(cached_tokens=cached),
+    )
+
+
+async def collect_finals(
+    first: tuple[int, RequestOutput], stream: AsyncIterator[tuple[int, RequestOutput]], num_prompts: int
+) -> list[RequestOutput]:
+    """The last (finished) output of each prompt, in prompt order."""
+    last = dict([first])
+    async for i, out in stream:
+        last[i] = out
+    return [last[i] for i in range(num_prompts)]
+
+
+@dataclass
+class StreamState:
+    """How much of one choice has been streamed."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+
+    def advance(self, c: CompletionOutput) -> tuple[str, slice]:
+        """The text and the token positions that are new since the last call."""
+        text, new = c.text[self.text_len :], slice(self.num_tokens, len(c.token_ids))
+        self.text_len, self.num_tokens = len(c.text), len(c.token_ids)
+        return text, new
+
+
+def by_rank(entry: dict[int, Logprob]) -> list[Logprob]:
+    """One token's logprob entry, most likely first."""
+    return sorted(entry.values(), key=lambda lp: lp.rank)
+
+
+def stream_error(e: Exception) -> str:
+    """An error after the response has started: sent as an event, as vLLM does."""
+    if isinstance(e, APIError):
+        info = e.info
+    elif isinstance(e, ValueError):
+        info = ErrorInfo(message=str(e), type="invalid_request_error")
+    else:
+        logger.exception("error while streaming", exc_info=e)
+        info = ErrorInfo(message="internal server error", type="server_error", code="internal_error")
+    return sse_data(ErrorResponse(error=info))

@@ -1,0 +1,60 @@
+"""A log line every few seconds while the engine is busy: throughput, queue, KV cache, prefix hits."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.logger import logger
+
+
+@dataclass
+class _Totals:
+    time: float
+    prompt_tokens: int
+    generation_tokens: int
+    queries: int
+    hits: int
+
+
+class StatsLogger:
+    def __init__(self, engine: AsyncLLMEngine, interval: float = 5.0):
+        self.engine = engine
+        self.interval = interval
+        self._last = self._totals()
+
+    def _totals(self) -> _Totals:
+        s = self.engine.engine.stats
+        return _Totals(
+            time.monotonic(), s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits
+        )
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            self.log()
+
+    def log(self) -> None:
+        """Log what happened since the last line; nothing when the engine was idle throughout."""
+        now, last = self._totals(), self._last
+        core = self.engine.engine
+        running, waiting = len(core.scheduler.running), self.engine.num_waiting()
+        self._last = now
+        progressed = (now.prompt_tokens, now.generation_tokens) != (last.prompt_tokens, last.generation_tokens)
+        if not (progressed or running or waiting):
+            return
+        elapsed = max(now.time - last.time, 1e-9)
+        queries = now.queries - last.queries
+        hit_rate = (now.hits - last.hits) / queries if queries else 0.0
+        logger.info(
+            "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, waiting: %d, "
+            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            (now.prompt_tokens - last.prompt_tokens) / elapsed,
+            (now.generation_tokens - last.generation_tokens) / elapsed,
+            running,
+            waiting,
+            100 * core.kv.pool.usage(),
+            100 * hit_rate,
+        )
