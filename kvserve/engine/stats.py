@@ -6,7 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request
-from kvserve.engine.scheduler import Scheduler, SchedulerOutput
+from kvserve.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from kvserve.outputs import RequestOutput
 
 
@@ -18,7 +18,7 @@ class StepStats:
     kv_blocks_free: int  # free and not cached
     kv_blocks_evictable: int  # cached, unreferenced: matchable until an allocation needs them
     num_batched_tokens: int
-    num_prefill_tokens: int  # tokens of chunks longer than one (prompts, recomputes)
+    num_prefill_tokens: int  # prompt tokens (and recomputed ones after a preemption)
     num_decode_tokens: int
     num_preempted: int
     kv_slots_allocated: int  # block_size x blocks in use
@@ -61,7 +61,7 @@ class EngineStats:
         step_time: float,
     ) -> None:
         pool = scheduler.kv.pool
-        prefill = sum(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+        prefill = out.num_batched_tokens - sum(1 for s in out.scheduled if _is_decode(s))
         allocated, unused = _kv_slot_usage(scheduler)
         step = StepStats(
             num_running=len(scheduler.running),
@@ -98,6 +98,11 @@ class EngineStats:
         if kv.prefix_cache is not None:
             self.prefix_cache_evictions = kv.prefix_cache.num_evictions
             self.prefix_cache_blocks = kv.prefix_cache.size_info().cached_blocks
+
+
+def _is_decode(s: ScheduledRequest) -> bool:
+    """One token for a request that already had output before this step (stats run after the update)."""
+    return s.num_new_tokens == 1 and s.request.num_output_tokens - int(s.samples) > 0
 
 
 def _kv_slot_usage(scheduler: Scheduler) -> tuple[int, int]:
