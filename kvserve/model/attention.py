@@ -99,14 +99,14 @@ class TorchAttention:
     def _prefill(
         q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, seq: PrefillSeq
     ) -> torch.Tensor:
-        q = q.transpose(0, 1)  # [Hq, n, D]
+        # 4-D inputs: with 3-D ones SDPA takes its slow math path instead of the flash kernel
+        q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if seq.mask is None:  # no cached prefix: the new K/V are the whole context
-            o = F.scaled_dot_product_attention(
-                q, k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-            )
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
         else:
             n = seq.context_len
-            keys = gather_kv(kv_cache[0], seq.block_table)[:, :n]
-            values = gather_kv(kv_cache[1], seq.block_table)[:, :n]
+            keys = gather_kv(kv_cache[0], seq.block_table)[:, :n].unsqueeze(0)
+            values = gather_kv(kv_cache[1], seq.block_table)[:, :n].unsqueeze(0)
             o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.mask, enable_gqa=True)
-        return o.transpose(0, 1)
+        return o[0].transpose(0, 1)

@@ -1,0 +1,154 @@
+"""CpuPagedAttention (compiled kernel) against TorchAttention on random paged batches.
+
+Tolerances: float32 matches TorchAttention to 1e-5. For bfloat16 the kernel is compared
+with TorchAttention run in float32 on the same (bf16-valued) inputs: the kernel computes
+in fp32 and rounds once at the end, so it must agree to one bf16 rounding (rtol 2^-8,
+atol 1e-3); TorchAttention in bf16 itself is only checked loosely (2e-2).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
+from kvserve.model import cpu_attention
+from kvserve.model.attention import AttentionMetadata, TorchAttention
+from kvserve.model.cpu_attention import CpuPagedAttention
+
+BS = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel_built():
+    reason = cpu_attention.unavailable_reason()  # builds on first use (python -m kvserve.model.build_ext)
+    if reason is not None:
+        pytest.skip(f"CPU paged-attention kernel unavailable: {reason}")
+
+
+def make_batch(decode_lens, prefills, heads, kv_heads, head_dim, dtype, seed=0):
+    """Random q/k/v and a pool whose blocks are handed out in random order.
+
+    decode_lens: context length of each decode (its new token is the last one);
+    prefills: (cached prefix, new tokens) of each prefill chunk.
+    """
+    g = torch.Generator().manual_seed(seed)
+    seqs = [(n - 1, 1) for n in decode_lens] + list(prefills)
+    blocks_needed = [-(-(p + n) // BS) for p, n in seqs]
+    pool = torch.randperm(sum(blocks_needed) + 8, generator=g) + 1  # block 0 only ever padding
+    kv = torch.randn(2, sum(blocks_needed) + 10, BS, kv_heads, head_dim, generator=g).to(dtype)
+    tables, slots, prefill_seqs, offset, start = [], [], [], 0, 0
+    for (prefix, n), nb in zip(seqs, blocks_needed, strict=True):
+        table = pool[offset : offset + nb]
+        offset += nb
+        pos = torch.arange(prefix, prefix + n)
+        slots.append(table[pos // BS] * BS + pos % BS)
+        if len(tables) < len(decode_lens):
+            tables.append(table.tolist())
+        else:
+            prefill_seqs.append(_prefill_seq(start, prefix, n, table, BS))
+        start += n
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat(slots),
+        num_decode_tokens=len(decode_lens),
+        prefills=prefill_seqs,
+        **_decode_tensors(tables, list(decode_lens), BS),
+    )
+    q, k, v = (torch.randn(start, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    return q, k, v, kv, meta
+
+
+def run_both(backend, q, k, v, kv, meta, reference_dtype=None):
+    """(backend output, TorchAttention output), each on its own copy of the cache."""
+    ref_dtype = reference_dtype or q.dtype
+    out = backend.forward(q, k, v, kv.clone(), meta)
+    ref = TorchAttention().forward(*(t.to(ref_dtype) for t in (q, k, v, kv)), meta)
+    return out, ref
+
+
+def assert_bf16_close(out, ref):
+    torch.testing.assert_close(out.float(), ref, rtol=2**-8, atol=1e-3)
+
+
+DECODE_LENS = [1, 15, 16, 17, 64, 300, 1037]  # one token, block boundaries, long, past 1000
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128, 256])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])  # GQA ratio 1, 3, 4
+def test_decode_float32(heads, kv_heads, head_dim):
+    batch = make_batch(DECODE_LENS, [], heads, kv_heads, head_dim, torch.float32)
+    out, ref = run_both(CpuPagedAttention(), *batch)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_decode_bfloat16(heads, kv_heads, head_dim):
+    batch = make_batch(DECODE_LENS, [], heads, kv_heads, head_dim, torch.bfloat16, seed=1)
+    out, ref32 = run_both(CpuPagedAttention(), *batch, reference_dtype=torch.float32)
+    assert out.dtype == torch.bfloat16
+    assert_bf16_close(out, ref32)
+    ref16 = TorchAttention().forward(*batch)
+    torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
+
+
+def test_decode_writes_the_new_kv_like_torch():
+    q, k, v, kv, meta = make_batch([5, 40], [(0, 7), (20, 9)], 9, 3, 64, torch.float32)
+    mine, theirs = kv.clone(), kv.clone()
+    CpuPagedAttention().forward(q, k, v, mine, meta)
+    TorchAttention().forward(q, k, v, theirs, meta)
+    assert torch.equal(mine, theirs)
+
+
+# decodes, then prefills: fresh short / fresh long / cached prefix short / cached prefix long
+MIXED = ([3, 16, 200], [(0, 5), (0, 40), (30, 10), (50, 37), (1000, 3)])
+
+
+@pytest.mark.parametrize("max_prefill_queries", [0, 16, 10**6])  # kernel for: decodes only / default / all
+def test_mixed_batch_float32(max_prefill_queries):
+    batch = make_batch(*MIXED, 9, 3, 64, torch.float32, seed=2)
+    out, ref = run_both(CpuPagedAttention(max_prefill_queries), *batch)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("max_prefill_queries", [16, 10**6])
+def test_mixed_batch_bfloat16(max_prefill_queries):
+    batch = make_batch(*MIXED, 8, 2, 128, torch.bfloat16, seed=3)
+    out, ref32 = run_both(CpuPagedAttention(max_prefill_queries), *batch, reference_dtype=torch.float32)
+    meta = batch[4]
+    kernel_rows = torch.zeros(out.shape[0], dtype=torch.bool)
+    kernel_rows[: meta.num_decode_tokens] = True
+    for s in meta.prefills:
+        kernel_rows[s.query_start : s.query_start + s.query_len] = s.query_len <= max_prefill_queries
+    # kernel rows: one bf16 rounding; long prefills run TorchAttention in bf16: its own error
+    assert_bf16_close(out[kernel_rows], ref32[kernel_rows])
+    torch.testing.assert_close(out.float(), ref32, rtol=2e-2, atol=2e-2)
+
+
+def test_float16_decode():
+    batch = make_batch([1, 17, 500], [], 9, 3, 64, torch.float16, seed=4)
+    out, ref32 = run_both(CpuPagedAttention(), *batch, reference_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), ref32, rtol=2**-10, atol=1e-3)
+
+
+def test_plan_is_built_once_per_step():
+    backend = CpuPagedAttention()
+    q, k, v, kv, meta = make_batch([9, 33], [(4, 6)], 9, 3, 64, torch.float32)
+    backend.forward(q, k, v, kv, meta)
+    plan = backend._batch
+    backend.forward(q, k, v, kv, meta)  # the next layer: same meta, same plan
+    assert backend._batch is plan
+
+
+def test_bad_block_id_raises_instead_of_reading_out_of_bounds():
+    q, k, v, kv, meta = make_batch([20], [], 9, 3, 64, torch.float32)
+    meta.decode_block_tables[0, 1] = kv.shape[1] + 5
+    meta.slot_mapping[:] = 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        CpuPagedAttention().forward(q, k, v, kv, meta)
+
+
+def test_unsupported_head_dim_falls_back():
+    assert cpu_attention.supports(64) and cpu_attention.supports(16) and not cpu_attention.supports(48)
+    assert isinstance(cpu_attention.select_backend(torch.device("cpu"), 48), TorchAttention)
+    assert isinstance(cpu_attention.select_backend(torch.device("cpu"), 64), CpuPagedAttention)
