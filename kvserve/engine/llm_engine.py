@@ -6,6 +6,7 @@ import itertools
 import time
 
 import torch
+from torch.profiler import record_function
 
 from kvserve.config import EngineConfig, parse_memory, resolve_device, resolve_dtype
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches
@@ -126,13 +127,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        out = self.scheduler.schedule()
+        with record_function("schedule"):  # named ranges: `kvserve bench step` breaks a step down by them
+            out = self.scheduler.schedule()
         if out.is_empty:
             return []
         sampled = self.runner.execute(out)
-        updated = self.scheduler.update_from_output(out, sampled)
-        stopped = self.output_processor.update_text(updated)
-        self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        outputs = self.output_processor.make_outputs(updated)
-        self.stats.record_step(self.scheduler, out, updated, outputs, time.perf_counter() - start)
+        with record_function("process_outputs"):
+            updated = self.scheduler.update_from_output(out, sampled)
+            stopped = self.output_processor.update_text(updated)
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+            outputs = self.output_processor.make_outputs(updated)
+            self.stats.record_step(self.scheduler, out, updated, outputs, time.perf_counter() - start)
         return outputs

@@ -8,6 +8,7 @@ in the batch (they are attended to in one batched call), prefill chunks after.
 from __future__ import annotations
 
 import torch
+from torch.profiler import record_function
 
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -41,10 +42,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
-        self._copy_blocks(out)
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first, stable
-        input_ids, positions, meta, sample_rows = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        with record_function("prepare_inputs"):
+            self._copy_blocks(out)
+            batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first, stable
+            input_ids, positions, meta, sample_rows = self._prepare(batch)
+        with record_function("model_forward"):
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         requests = [s.request for s in batch if s.samples]
         rows = [sample_rows[r.seq_id] for r in requests]
         for parent, child in out.forks:  # siblings draw from their parent's last-token logits
@@ -52,8 +55,10 @@ class ModelRunner:
             rows.append(sample_rows[parent.seq_id])
         if not requests:
             return {}
-        logits = self.model.compute_logits(hidden[rows])
-        tokens = self.sampler(logits, requests)
+        with record_function("logits"):
+            logits = self.model.compute_logits(hidden[rows])
+        with record_function("sample"):
+            tokens = self.sampler(logits, requests)
         return {r.seq_id: t for r, t in zip(requests, tokens, strict=True)}
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
