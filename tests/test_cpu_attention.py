@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
-from kvserve.model import cpu_attention
+from kvserve.model import cpu_attention, cpu_ext
 from kvserve.model.attention import AttentionMetadata, TorchAttention
 from kvserve.model.cpu_attention import CpuPagedAttention
 
@@ -21,7 +21,7 @@ BS = 16
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_built():
-    reason = cpu_attention.unavailable_reason()  # builds on first use (python -m kvserve.model.build_ext)
+    reason = cpu_ext.unavailable_reason()  # builds on first use (python -m kvserve.model.build_ext)
     if reason is not None:
         pytest.skip(f"CPU paged-attention kernel unavailable: {reason}")
 

@@ -28,7 +28,7 @@ from kvserve.sampling_params import SamplingParams
 STEP_RANGES = ("schedule", "prepare_inputs", "model_forward", "logits", "sample", "process_outputs")
 # outermost op whose name starts with one of these counts, inclusive of what it calls
 FORWARD_CATEGORIES = {
-    "matmul": ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul"),
+    "matmul": ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise"),
     "attention": ("kvserve::paged_attention", "aten::scaled_dot_product_attention"),
     "kv_write": ("aten::index_copy_",),
 }
@@ -48,13 +48,13 @@ class StepResult:
 
 
 def matmul_weights(engine: LLMEngine) -> tuple[int, int]:
-    """(parameters multiplied per token, their bytes): every 2-D weight but the embedding lookup,
-    plus the LM head (the embedding itself when tied)."""
-    model = engine.runner.model
-    linear = [p for name, p in model.named_parameters() if p.dim() == 2 and name != "embed_tokens.weight"]
-    if model.lm_head is None:
-        linear.append(model.embed_tokens.weight)
-    return sum(p.numel() for p in linear), sum(p.numel() * p.element_size() for p in linear)
+    """(weights multiplied per token, their bytes): every projection of every layer and the
+    LM head; from the config, since packed weights are no longer parameters."""
+    cfg = engine.model_config
+    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
+    params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    return params, params * engine.dtype.itemsize
 
 
 def fill_decode_batch(engine: LLMEngine, batch_size: int, context_len: int, max_tokens: int, seed: int) -> list[str]:

@@ -19,8 +19,10 @@ from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.logger import logger
 from kvserve.model.config import ModelConfig
 from kvserve.model.cpu_attention import select_backend
+from kvserve.model.layer_ops import select_layer_ops
 from kvserve.model.llama import LlamaForCausalLM
 from kvserve.model.loader import iter_weights, load_config, resolve_model
+from kvserve.model.packed_linear import can_pack
 from kvserve.model.sampler import Sampler
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -28,14 +30,17 @@ from kvserve.tokenizer import load_tokenizer
 
 
 def load_model(model_dir, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    backend = select_backend(device, cfg.head_dim)
-    logger.info("attention backend: %s", type(backend).__name__)
+    backend, ops = select_backend(device, cfg.head_dim), select_layer_ops(device, dtype)
+    logger.info("attention backend: %s, layer ops: %s", type(backend).__name__, type(ops).__name__)
     with torch.device("meta"):  # no random init: the weights are about to be overwritten
-        model = LlamaForCausalLM(cfg, backend)
+        model = LlamaForCausalLM(cfg, backend, ops)
     model = model.to_empty(device="cpu")
     model.load_weights(iter_weights(model_dir))
-    model.layers[0].self_attn.rotary.reset_cache()  # shared by all layers; computed, not loaded
-    return model.to(dtype=dtype, device=device).eval()
+    model.rotary.reset_cache()  # computed, not loaded
+    model = model.to(dtype=dtype, device=device).eval()
+    if can_pack(dtype, device):
+        model.pack_linears()
+    return model
 
 
 class LLMEngine:

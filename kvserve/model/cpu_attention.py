@@ -3,129 +3,25 @@
 `TorchAttention` copies every request's K/V blocks into a padded tensor per layer per
 step before SDPA; on the CPU that copy costs more than the attention itself. The
 kernel in `kvserve/csrc/paged_attention.cpp` walks the block tables instead, reading
-each K/V row once. It is a torch C++ extension, built on first use (or ahead of time
-by `python -m kvserve.model.build_ext`) into the kvserve cache, in a folder keyed by
-the source, torch version, compiler flags and CPU, so a changed kernel or machine
-rebuilds. If the build fails, `available()` says so once and the engine keeps using
-`TorchAttention`. `KVSERVE_CPU_KERNEL=0` turns the kernel off.
+each K/V row once. It is part of kvserve's CPU extension (`cpu_ext`); where that does
+not build, the engine keeps using `TorchAttention`.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
-import os
-import platform
-import shutil
-import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
-from kvserve.logger import logger
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, PrefillSeq, TorchAttention, write_kv
-from kvserve.model.loader import cache_root
+from kvserve.model.cpu_ext import available, load
 
-SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "paged_attention.cpp"
-EXT_NAME = "kvserve_paged_attention"
 # Prefill chunks up to this many queries go to the kernel: its per-key dot products beat
 # SDPA's matmuls on short chunks, while on longer ones SDPA's flash kernel (bf16 via AMX)
 # wins, once it is called with 4-D inputs (3-D ones take SDPA's much slower math path).
 # Measured on SmolLM2 shapes: crossover at ~16-24 queries in bf16, ~32-48 in fp32.
 KERNEL_MAX_PREFILL_QUERIES = 16
-
-
-def compile_flags() -> list[str]:
-    """Flags for this machine: the vector ISA torch itself dispatches to, so at::vec uses it."""
-    flags = ["-O3", "-fopenmp", "-DNDEBUG"]  # -fopenmp: at::parallel_for is an OpenMP pragma in a header
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags.append("-march=native")
-        capability = torch.backends.cpu.get_cpu_capability()  # honours ATEN_CPU_CAPABILITY
-        if capability in ("AVX512", "AVX2"):
-            flags.append(f"-DCPU_CAPABILITY_{capability}")
-    return flags
-
-
-def _cpu_fingerprint() -> str:
-    """-march=native code only runs on the CPU it was built on: key the build by its flags."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def build_dir() -> Path:
-    """Cache folder for this source + torch + flags + CPU; a change of any rebuilds."""
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), " ".join(compile_flags()).encode()):
-        key.update(part)
-    key.update(_cpu_fingerprint().encode())
-    return cache_root() / "ext" / f"paged_attention-{key.hexdigest()[:16]}"
-
-
-def _ensure_ninja() -> None:
-    """torch's load() runs `ninja` from PATH; a venv's ninja (pip install ninja) may not be on it."""
-    if shutil.which("ninja"):
-        return
-    candidates = [Path(sys.executable).parent]
-    try:
-        import ninja  # the PyPI wheel
-
-        candidates.append(Path(ninja.BIN_DIR))
-    except (ImportError, AttributeError):
-        pass
-    for folder in candidates:
-        if (folder / "ninja").exists():
-            os.environ["PATH"] = f"{folder}{os.pathsep}{os.environ.get('PATH', '')}"
-            return
-
-
-@functools.cache
-def load() -> Any:
-    """Build (or reuse the cached build of) the extension and return its ops namespace."""
-    from torch.utils import cpp_extension
-
-    _ensure_ninja()
-    folder = build_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=EXT_NAME,
-        sources=[str(SOURCE)],
-        extra_cflags=compile_flags(),
-        extra_ldflags=["-fopenmp"],  # resolves to the libgomp torch already loaded
-        build_directory=str(folder),
-        is_python_module=False,  # registers torch.ops.kvserve.*; no pybind module
-        verbose=os.environ.get("KVSERVE_LOG_LEVEL") == "DEBUG",
-    )
-    return torch.ops.kvserve
-
-
-@functools.cache
-def unavailable_reason() -> str | None:
-    """None if the kernel can be used here, else why not (logged once)."""
-    if os.environ.get("KVSERVE_CPU_KERNEL", "1") == "0":
-        logger.info("CPU paged-attention kernel off (KVSERVE_CPU_KERNEL=0); using TorchAttention")
-        return "turned off by KVSERVE_CPU_KERNEL=0"
-    try:
-        load()
-    except Exception as e:  # a missing compiler, headers, ninja...: fall back, don't fail
-        lines = str(e).strip().splitlines() or [""]
-        first_error = next((line for line in lines if "error:" in line), lines[-1])  # the compiler's own
-        reason = f"{type(e).__name__}: {first_error.strip()}"
-        logger.warning("CPU paged-attention kernel unavailable (%s); using TorchAttention", reason)
-        return reason
-    return None
-
-
-def available() -> bool:
-    return unavailable_reason() is None
 
 
 def supports(head_dim: int) -> bool:
@@ -138,15 +34,6 @@ def select_backend(device: torch.device, head_dim: int) -> AttentionBackend:
     if device.type == "cpu" and supports(head_dim):
         return CpuPagedAttention()
     return TorchAttention()
-
-
-def build() -> tuple[Path, float, bool]:
-    """Build now (ahead of serving): the build folder, seconds taken, and whether it was cached."""
-    folder = build_dir()
-    cached = any(folder.glob(f"{EXT_NAME}*.so"))
-    start = time.perf_counter()
-    load()
-    return folder, time.perf_counter() - start, cached
 
 
 @dataclass

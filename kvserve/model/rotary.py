@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -46,13 +47,11 @@ class RotaryEmbedding(torch.nn.Module):
         # cos and sin side by side: one gather per layer instead of two; cast with the model
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).float().to(self.cos_sin.device)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.cos_sin[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, D/2] each
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> Rope:
+        """cos/sin of each token's position: once per forward, shared by every layer."""
+        return Rope(self.cos_sin[positions])
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+@dataclass
+class Rope:
+    cos_sin: torch.Tensor  # [T, head_dim]: each token's cos, then its sin
