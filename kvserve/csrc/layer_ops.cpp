@@ -13,6 +13,8 @@
 
 #include <cmath>
 
+#include "vec.h"
+
 namespace kvserve {
 namespace {
 
@@ -32,17 +34,58 @@ void check_rows(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.dim() == 2 && t.stride(1) == 1, name, " must be [rows, features] with contiguous rows");
 }
 
-// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), the statistic in fp32.
+// out = weight * to_T(x * rsqrt(mean(x^2) + eps)), the statistic in fp32. Whole
+// 2W-lane chunks, then a scalar tail.
 template <typename T>
 void rms_norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < n; ++i) {
-    const float v = static_cast<float>(x[i]);
-    ss += v * v;
+  const int64_t nv = n - n % W2;
+  fVec acc(0.f);
+  for (int64_t i = 0; i < nv; i += W2) {
+    auto [a, b] = load2_f32(x + i);
+    acc = at::vec::fmadd(a, a, at::vec::fmadd(b, b, acc));
   }
+  float ss = hsum(acc);
+  for (int64_t i = nv; i < n; ++i) ss += static_cast<float>(x[i]) * static_cast<float>(x[i]);
   const float scale = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) {
+  const fVec vs(scale);
+  for (int64_t i = 0; i < nv; i += W2) {
+    auto [a, b] = load2_f32(x + i);
+    auto [ra, rb] = round2_to<T>(a * vs, b * vs);
+    auto [wa, wb] = load2_f32(w + i);
+    store2_f32(out + i, wa * ra, wb * rb);
+  }
+  for (int64_t i = nv; i < n; ++i) {
     out[i] = static_cast<T>(static_cast<float>(w[i]) * r<T>(static_cast<float>(x[i]) * scale));
+  }
+}
+
+// residual <- to_T(x + residual), in place.
+template <typename T>
+void add_row(T* residual, const T* x, int64_t n) {
+  const int64_t nv = n - n % W2;
+  for (int64_t i = 0; i < nv; i += W2) {
+    auto [xa, xb] = load2_f32(x + i);
+    auto [ra, rb] = load2_f32(residual + i);
+    store2_f32(residual + i, xa + ra, xb + rb);
+  }
+  for (int64_t i = nv; i < n; ++i) residual[i] = static_cast<T>(static_cast<float>(x[i]) + static_cast<float>(residual[i]));
+}
+
+// out = to_T(silu(gate)) * up, silu in fp32.
+template <typename T>
+void silu_mul_row(T* out, const T* gate, const T* up, int64_t n) {
+  const int64_t nv = n - n % W2;
+  const fVec one(1.f);
+  for (int64_t i = 0; i < nv; i += W2) {
+    auto [ga, gb] = load2_f32(gate + i);
+    // exp_u20 (error ~2 fp32 ulp, invisible after bf16 rounding): exp is what this op spends its time on
+    auto [sa, sb] = round2_to<T>(ga / (one + ga.neg().exp_u20()), gb / (one + gb.neg().exp_u20()));
+    auto [ua, ub] = load2_f32(up + i);
+    store2_f32(out + i, sa * ua, sb * ub);
+  }
+  for (int64_t i = nv; i < n; ++i) {
+    const float g = static_cast<float>(gate[i]);
+    out[i] = static_cast<T>(r<T>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
   }
 }
 
@@ -58,9 +101,8 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, do
     for (int64_t row = begin; row < end; ++row) {
       const T* src = xp + row * xs;
       if (res) {  // residual <- x + residual; normalise the sum
-        T* rr = res + row * rs;
-        for (int64_t i = 0; i < n; ++i) rr[i] = static_cast<T>(static_cast<float>(src[i]) + static_cast<float>(rr[i]));
-        src = rr;
+        add_row<T>(res + row * rs, src, n);
+        src = res + row * rs;
       }
       rms_norm_row<T>(o + row * os, src, wp, n, static_cast<float>(eps));
     }
@@ -117,12 +159,7 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x) {
     at::parallel_for(0, rows, grain_rows(2 * n), [&](int64_t begin, int64_t end) {
       for (int64_t row = begin; row < end; ++row) {
         const scalar_t* gate = xp + row * xs;
-        const scalar_t* up = gate + n;
-        scalar_t* o = op + row * os;
-        for (int64_t i = 0; i < n; ++i) {
-          const float g = static_cast<float>(gate[i]);
-          o[i] = static_cast<scalar_t>(r<scalar_t>(g / (1.f + std::exp(-g))) * static_cast<float>(up[i]));
-        }
+        silu_mul_row<scalar_t>(op + row * os, gate, gate + n, n);
       }
     });
   });
@@ -141,12 +178,31 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos_sin) {
               "rotary_embedding: q, k and cos_sin must share a dtype");
   KVSERVE_DISPATCH(q.scalar_type(), "rotary_embedding", [&] {
     using T = scalar_t;
-    auto rotate = [&](at::Tensor& x, int64_t t, const T* c, const T* s) {
-      T* base = x.data_ptr<T>() + t * x.stride(0);
-      for (int64_t h = 0; h < x.size(1); ++h) {
-        T* x1 = base + h * x.stride(1);
+    struct Heads {  // raw pointer and strides, read once (Tensor accessors cost per call)
+      T* data;
+      int64_t token_stride, head_stride, heads;
+    };
+    const Heads hq{q.data_ptr<T>(), q.stride(0), q.stride(1), q.size(1)};
+    const Heads hk{k.data_ptr<T>(), k.stride(0), k.stride(1), k.size(1)};
+    auto rotate = [&](const Heads& x, int64_t t, const T* c, const T* s) {
+      T* base = x.data + t * x.token_stride;
+      for (int64_t h = 0; h < x.heads; ++h) {
+        T* x1 = base + h * x.head_stride;
         T* x2 = x1 + half;
-        for (int64_t i = 0; i < half; ++i) {
+        const int64_t nv = half - half % W2;
+        for (int64_t i = 0; i < nv; i += W2) {
+          auto [a0, a1] = load2_f32(x1 + i);
+          auto [b0, b1] = load2_f32(x2 + i);
+          auto [c0, c1] = load2_f32(c + i);
+          auto [s0, s1] = load2_f32(s + i);
+          auto [ac0, ac1] = round2_to<T>(a0 * c0, a1 * c1);
+          auto [bs0, bs1] = round2_to<T>(b0 * s0, b1 * s1);
+          auto [bc0, bc1] = round2_to<T>(b0 * c0, b1 * c1);
+          auto [as0, as1] = round2_to<T>(a0 * s0, a1 * s1);
+          store2_f32(x1 + i, ac0 - bs0, ac1 - bs1);
+          store2_f32(x2 + i, bc0 + as0, bc1 + as1);
+        }
+        for (int64_t i = nv; i < half; ++i) {
           const float a = static_cast<float>(x1[i]), b = static_cast<float>(x2[i]);
           const float ci = static_cast<float>(c[i]), si = static_cast<float>(s[i]);
           x1[i] = static_cast<T>(r<T>(a * ci) - r<T>(b * si));
@@ -157,8 +213,8 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos_sin) {
     const T* cs = cos_sin.data_ptr<T>();
     at::parallel_for(0, tokens, grain_rows((q.size(1) + k.size(1)) * q.size(2)), [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        rotate(q, t, cs + t * 2 * half, cs + t * 2 * half + half);
-        rotate(k, t, cs + t * 2 * half, cs + t * 2 * half + half);
+        rotate(hq, t, cs + t * 2 * half, cs + t * 2 * half + half);
+        rotate(hk, t, cs + t * 2 * half, cs + t * 2 * half + half);
       }
     });
   });

@@ -29,35 +29,15 @@
 #include <utility>
 #include <vector>
 
+#include "vec.h"
+
 namespace kvserve {
 namespace {
 
-using fVec = at::vec::Vectorized<float>;
-constexpr int64_t W = fVec::size();
 constexpr int64_t kTileTokens = 64;  // keys per online-softmax step: a multiple of W
 constexpr int64_t kQueryTile = 8;    // query rows of one sequence per work item
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % W == 0, "score rows are processed in whole vectors");
-
-// One vector's worth of T, widened to fp32.
-template <typename T>
-inline fVec load_f32(const T* p) {
-  fVec v;
-  at::vec::load_to_float<T>(p, v);
-  return v;
-}
-template <>
-inline fVec load_f32<float>(const float* p) {
-  return fVec::loadu(p);
-}
-
-// Horizontal sum / max (vec_reduce_all: Vectorized's own reduce_* don't build without SIMD).
-inline float hsum(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
-}
-inline float hmax(const fVec& v) {
-  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, v);
-}
 
 // What every work item reads: raw pointers and strides, checked once per call.
 template <typename T>

@@ -25,7 +25,8 @@ import torch
 from kvserve.logger import logger
 from kvserve.model.loader import cache_root
 
-SOURCES = sorted((Path(__file__).resolve().parent.parent / "csrc").glob("*.cpp"))
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = sorted(CSRC.glob("*.cpp"))
 EXT_NAME = "kvserve_cpu_ops"
 
 
@@ -54,7 +55,8 @@ def _cpu_fingerprint() -> str:
 def build_dir() -> Path:
     """Cache folder for this source + torch + flags + CPU; a change of any rebuilds."""
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), torch.__version__.encode(), " ".join(compile_flags()).encode()):
+    files = sorted(CSRC.glob("*.[ch]*"))  # sources and headers
+    for part in (*(f.read_bytes() for f in files), torch.__version__.encode(), " ".join(compile_flags()).encode()):
         key.update(part)
     key.update(_cpu_fingerprint().encode())
     return cache_root() / "ext" / f"cpu_ops-{key.hexdigest()[:16]}"

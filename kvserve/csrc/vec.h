@@ -1,0 +1,70 @@
+// Small vector helpers shared by kvserve's CPU kernels: fp32 lanes over any storage type.
+#pragma once
+
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <type_traits>
+#include <utility>
+
+namespace kvserve {
+
+using fVec = at::vec::Vectorized<float>;
+constexpr int64_t W = fVec::size();
+
+// One vector's worth of T, widened to fp32.
+template <typename T>
+inline fVec load_f32(const T* p) {
+  fVec v;
+  at::vec::load_to_float<T>(p, v);
+  return v;
+}
+template <>
+inline fVec load_f32<float>(const float* p) {
+  return fVec::loadu(p);
+}
+
+// Two fp32 vectors (2W lanes) at a time: one native vector of a 16-bit T.
+constexpr int64_t W2 = 2 * W;
+
+template <typename T>
+inline std::pair<fVec, fVec> load2_f32(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {fVec::loadu(p), fVec::loadu(p + W)};
+  } else {
+    auto [a, b] = at::vec::convert_to_float<T>(at::vec::Vectorized<T>::loadu(p));
+    return {a, b};
+  }
+}
+
+// Store 2W fp32 lanes as T, rounding to nearest even as PyTorch's casts do.
+template <typename T>
+inline void store2_f32(T* p, const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+    b.store(p + W);
+  } else {
+    at::vec::convert_from_float<T>(a, b).store(p);
+  }
+}
+
+// a, b rounded to T's precision (what an op producing T would keep), still in fp32 lanes.
+template <typename T>
+inline std::pair<fVec, fVec> round2_to(const fVec& a, const fVec& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {a, b};
+  } else {
+    auto [x, y] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+    return {x, y};
+  }
+}
+
+// Horizontal sum / max (vec_reduce_all: Vectorized's own reduce_* don't build without SIMD).
+inline float hsum(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return a + b; }, v);
+}
+inline float hmax(const fVec& v) {
+  return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, v);
+}
+
+}  // namespace kvserve
