@@ -121,7 +121,9 @@ def run_step_bench(
     engine: LLMEngine, roofline: Roofline, batch_size: int, context_len: int, steps: int, with_profile: bool, seed: int
 ) -> StepResult:
     warmup, profiled = 3, steps if with_profile else 0
-    ids = fill_decode_batch(engine, batch_size, context_len, warmup + steps + profiled + 2, seed)
+    # requests admitted early decode while later ones prefill: leave room for those steps too
+    fill_steps = -(-batch_size * context_len // engine.config.max_num_batched_tokens) + 1
+    ids = fill_decode_batch(engine, batch_size, context_len, fill_steps + warmup + steps + profiled, seed)
     time_decode_steps(engine, batch_size, warmup)
     step_s = statistics.median(time_decode_steps(engine, batch_size, steps))
     breakdown = profile_steps(engine, profiled) if with_profile else {}
