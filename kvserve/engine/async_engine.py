@@ -54,7 +54,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig, max_queued_requests: int | None = None) -> AsyncLLMEngine:
-        return cls(LLMEngine(config), max_queued_requests)
+        return cls(_build_off_main_thread(config), max_queued_requests)
 
     @property
     def tokenizer(self):
@@ -159,3 +159,27 @@ class AsyncLLMEngine:
     def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(add.outputs.put_nowait, item)
+
+
+def _build_off_main_thread(config: EngineConfig) -> LLMEngine:
+    """Load the model in a short-lived thread, so the main thread never runs torch's OpenMP work.
+
+    The first thread to run an OpenMP parallel region owns a thread team for the life of the
+    process; the engine thread then gets a second team, and the two contend for the cores:
+    measured on 2 cores, a batch-1 decode step took 36 ms instead of 24 ms. A team whose
+    thread has exited is gone, so building here leaves the engine thread the only team.
+    """
+    built: list[LLMEngine | BaseException] = []
+
+    def build() -> None:
+        try:
+            built.append(LLMEngine(config))
+        except BaseException as e:  # re-raised on the caller's thread
+            built.append(e)
+
+    thread = threading.Thread(target=build, name="kvserve-load")
+    thread.start()
+    thread.join()
+    if isinstance(built[0], BaseException):
+        raise built[0]
+    return built[0]
