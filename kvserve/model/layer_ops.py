@@ -68,10 +68,7 @@ class CpuLayerOps(TorchLayerOps):
         return q, k
 
 
-LayerOps = TorchLayerOps
-
-
-def select_layer_ops(device: torch.device, dtype: torch.dtype) -> LayerOps:
+def select_layer_ops(device: torch.device, dtype: torch.dtype) -> TorchLayerOps:
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and available():
         return CpuLayerOps()
     return TorchLayerOps()

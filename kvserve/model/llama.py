@@ -15,13 +15,13 @@ from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from kvserve.model.config import ModelConfig
-from kvserve.model.layer_ops import LayerOps, TorchLayerOps
+from kvserve.model.layer_ops import TorchLayerOps
 from kvserve.model.packed_linear import PackedLinear, pack_linears
-from kvserve.model.rotary import Rope, RotaryEmbedding
+from kvserve.model.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, ops: LayerOps | None = None):
+    def __init__(self, dim: int, eps: float, ops: TorchLayerOps | None = None):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads,
@@ -52,19 +52,21 @@ class Attention(nn.Module):
         self.backend = backend
         self.ops = ops
 
-    def forward(self, rope: Rope, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, cos_sin: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary(q, k, rope.cos_sin)
+        q, k = self.ops.rotary(q, k, cos_sin)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps):
+    def __init__(self, cfg: ModelConfig, ops: TorchLayerOps):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
@@ -75,7 +77,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: TorchLayerOps):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.self_attn = Attention(cfg, backend, ops)
@@ -84,7 +86,7 @@ class DecoderLayer(nn.Module):
 
     def forward(
         self,
-        rope: Rope,
+        cos_sin: torch.Tensor,
         x: torch.Tensor,
         residual: torch.Tensor | None,
         kv_cache: torch.Tensor,
@@ -96,13 +98,13 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x), x
         else:
             x, residual = self.input_layernorm.add_and_norm(x, residual)
-        x = self.self_attn(rope, x, kv_cache, meta)
+        x = self.self_attn(cos_sin, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm.add_and_norm(x, residual)
         return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: LayerOps | None = None):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend | None = None, ops: TorchLayerOps | None = None):
         super().__init__()
         self.config = cfg
         backend = backend or TorchAttention()
@@ -122,10 +124,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states of every token in the flat batch: [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
-        rope = self.rotary.lookup(positions)
+        cos_sin = self.rotary.lookup(positions)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(rope, x, residual, kv_cache, meta)
+            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
         return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,11 +46,6 @@ class RotaryEmbedding(torch.nn.Module):
         # cos and sin side by side: one gather per layer instead of two; cast with the model
         self.cos_sin = torch.cat([freqs.cos(), freqs.sin()], -1).float().to(self.cos_sin.device)
 
-    def lookup(self, positions: torch.Tensor) -> Rope:
-        """cos/sin of each token's position: once per forward, shared by every layer."""
-        return Rope(self.cos_sin[positions])
-
-
-@dataclass
-class Rope:
-    cos_sin: torch.Tensor  # [T, head_dim]: each token's cos, then its sin
+    def lookup(self, positions: torch.Tensor) -> torch.Tensor:
+        """[T, head_dim]: each token's cos, then its sin; once per forward, shared by every layer."""
+        return self.cos_sin[positions]
