@@ -48,12 +48,8 @@ class StepResult:
 
 
 def matmul_weights(engine: LLMEngine) -> tuple[int, int]:
-    """(weights multiplied per token, their bytes): every projection of every layer and the
-    LM head; from the config, since packed weights are no longer parameters."""
-    cfg = engine.model_config
-    q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    per_layer = cfg.hidden_size * (q + 2 * kv) + q * cfg.hidden_size + 3 * cfg.hidden_size * cfg.intermediate_size
-    params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * cfg.hidden_size
+    """(weights multiplied per token, their bytes), from the config: packed weights are not parameters."""
+    params = engine.model_config.matmul_params_per_token()
     return params, params * engine.dtype.itemsize
 
 

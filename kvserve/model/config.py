@@ -71,3 +71,10 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_size: int) -> int:
         """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+    def matmul_params_per_token(self) -> int:
+        """Weights every token multiplies: each layer's projections and the LM head (2 FLOPs each)."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * (attention + mlp) + self.vocab_size * self.hidden_size
