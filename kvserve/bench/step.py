@@ -28,7 +28,10 @@ from kvserve.sampling_params import SamplingParams
 STEP_RANGES = ("schedule", "prepare_inputs", "model_forward", "logits", "sample", "process_outputs")
 # outermost op whose name starts with one of these counts, inclusive of what it calls
 FORWARD_CATEGORIES = {
-    "matmul": ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise"),
+    "matmul": (
+        "aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise",
+        "kvserve::small_batch_linear",
+    ),
     "attention": ("kvserve::paged_attention", "aten::scaled_dot_product_attention"),
     "kv_write": ("aten::index_copy_",),
 }

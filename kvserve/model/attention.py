@@ -9,7 +9,7 @@ only has to implement `AttentionBackend.forward`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +25,17 @@ class PrefillSeq:
     context_len: int  # cached prefix + new tokens
     block_table: torch.Tensor  # [ceil(context_len / block_size)] physical block ids
     mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal, no prefix
+    _bias: torch.Tensor | None = field(default=None, repr=False)
+
+    def attn_bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
+        """`mask` as an additive bias for `groups` query heads folded into the rows
+        ([groups * query_len, context_len]); built once, then shared by every layer."""
+        rows = groups * self.query_len
+        if self._bias is None or self._bias.dtype != dtype or self._bias.shape[0] != rows:
+            assert self.mask is not None, "a plain causal chunk has no bias"
+            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._bias = bias.masked_fill_(~self.mask, float("-inf")).repeat(groups, 1)
+        return self._bias
 
 
 @dataclass
@@ -60,7 +71,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: to
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """[..., blocks] block ids -> [..., kv_heads, blocks * block_size, head_dim]."""
-    x = cache[block_table]  # [..., blocks, block_size, heads, dim]
+    # index_select copies whole blocks; advanced indexing (cache[table]) is ~6x slower on the CPU
+    x = cache.index_select(0, block_table.flatten()).view(*block_table.shape, *cache.shape[1:])
     x = x.flatten(-4, -3)  # [..., tokens, heads, dim]
     return x.transpose(-3, -2)
 
@@ -104,9 +116,14 @@ class TorchAttention:
         if seq.mask is None:  # no cached prefix: the new K/V are the whole context
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
-        else:
-            n = seq.context_len
-            keys = gather_kv(kv_cache[0], seq.block_table)[:, :n].unsqueeze(0)
-            values = gather_kv(kv_cache[1], seq.block_table)[:, :n].unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.mask, enable_gqa=True)
-        return o[0].transpose(0, 1)
+            return o[0].transpose(0, 1)
+        # A cached prefix: each KV head's query heads are folded into the query rows
+        # ([1, Hkv, groups * n, D]), so SDPA reads every K/V row once per KV head, and the
+        # mask is an additive bias; together ~1.4x faster than enable_gqa with a bool mask.
+        num_heads, n, dim = q.shape[1:]
+        num_kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
+        q = q.reshape(1, num_kv_heads, groups * n, dim)
+        keys = gather_kv(kv_cache[0], seq.block_table)[:, : seq.context_len].unsqueeze(0)
+        values = gather_kv(kv_cache[1], seq.block_table)[:, : seq.context_len].unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.attn_bias(groups, q.dtype))
+        return o.view(num_heads, n, dim).transpose(0, 1)

@@ -1,35 +1,84 @@
-"""bf16 linear layers with their weights pre-packed for oneDNN (CPU).
+"""bf16 linear layers with their weights pre-packed once (CPU).
 
 `F.linear` in bf16 re-lays the weight out for oneDNN's AMX/AVX-512 kernels on every
 call; at decode batch sizes that costs more than the multiply (a 960x576 projection:
 71 us, of which 33 us is the repacking). Packing once at load makes every projection
 1.4-1.9x faster at batch 1-64 with identical results. fp32 gains nothing this way
 (MKL's sgemm is already direct), so only bf16 weights are packed.
+
+Decode batches go further: oneDNN reads cold weights at a third of the machine's
+bandwidth, so up to `SmallBatchWeight.max_rows` rows kvserve's own kernel
+(`kvserve/csrc/small_batch_linear.cpp`) streams a second copy of the weight packed for
+it. The weights then take twice their memory, a fair trade for small models on a CPU.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from kvserve.model import cpu_ext
 
 # oneDNN picks a blocked layout per expected batch size; measured: one packing serves
 # batches 1-512 within a few percent of the best, so one hint is enough.
 BATCH_SIZE_HINT = 64
+
+# Up to how many rows kvserve's kernel beats oneDNN, per ISA (30 SmolLM2 layers, cold
+# weights): with AMX 10 vs 16 ms at 1-16 rows, 18 vs 20 ms at 64; with AVX512-BF16 dot
+# products alone 9.4 vs 15 ms at 1-4 rows, even at 8.
+SMALL_BATCH_MAX_ROWS = {"amx": 64, "avx512_bf16": 4}
+TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
 
 
+@functools.cache
+def small_batch_isa() -> str:
+    """'amx', 'avx512_bf16', or '' where kvserve's small-batch kernel cannot run."""
+    return cpu_ext.load().small_batch_linear_isa() if cpu_ext.available() else ""
+
+
+class SmallBatchWeight:
+    """A weight packed for kvserve's kernel: [N/16, K/2, 16, 2], N padded to 64 columns."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str):
+        n, k = weight.shape
+        w = F.pad(weight.detach(), (0, 0, 0, -n % TILE_COLS))
+        self.packed = w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features = n
+        self.use_amx = isa == "amx"
+        self.max_rows = SMALL_BATCH_MAX_ROWS[isa]
+
+    @staticmethod
+    def fits(weight: torch.Tensor, isa: str) -> bool:
+        """The kernel needs K in pairs, and in slices of 32 for AMX tiles."""
+        return bool(isa) and weight.shape[1] % (32 if isa == "amx" else 2) == 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], self.out_features)
+        cpu_ext.load().small_batch_linear(out, x.contiguous(), self.packed, self.bias, self.use_amx)
+        return out
+
+
 class PackedLinear(nn.Module):
     """Drop-in for an inference-only `nn.Linear` over 2-D inputs."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str | None = None):
         super().__init__()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_SIZE_HINT)
         self.bias = None if bias is None else bias.detach()
+        isa = small_batch_isa() if isa is None else isa
+        self.small = SmallBatchWeight(weight, bias, isa) if SmallBatchWeight.fits(weight, isa) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.small is not None and x.shape[0] <= self.small.max_rows:
+            return self.small(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
 
