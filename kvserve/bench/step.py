@@ -29,7 +29,11 @@ STEP_RANGES = ("schedule", "prepare_inputs", "model_forward", "logits", "sample"
 # outermost op whose name starts with one of these counts, inclusive of what it calls
 FORWARD_CATEGORIES = {
     "matmul": (
-        "aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "mkldnn::_linear_pointwise",
+        "aten::linear",
+        "aten::mm",
+        "aten::addmm",
+        "aten::matmul",
+        "mkldnn::_linear_pointwise",
         "kvserve::small_batch_linear",
     ),
     "attention": ("kvserve::paged_attention", "aten::scaled_dot_product_attention"),

@@ -102,9 +102,7 @@ class TorchAttention:
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         keys = gather_kv(kv_cache[0], meta.decode_block_tables)  # [B, Hkv, L, D]
         values = gather_kv(kv_cache[1], meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True
-        )
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
         return o.squeeze(2)
 
     @staticmethod
