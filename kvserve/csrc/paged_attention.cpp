@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
 
 namespace kvserve {

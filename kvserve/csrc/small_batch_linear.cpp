@@ -16,6 +16,8 @@
 
 #include <string>
 
+#include "ops.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
@@ -157,6 +159,8 @@ void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, in
 
 #endif
 
+}  // namespace
+
 // out [M, N] bf16 = x [M, K] bf16 @ W^T + bias, W packed as [N/16, K/2, 16, 2] (N, K padded).
 void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias, bool use_amx) {
@@ -208,6 +212,8 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   TORCH_CHECK(false, "small_batch_linear needs AVX512-BF16; this build has none");
 #endif
 }
+
+namespace {
 
 // "amx" where AMX is compiled in and Linux grants it, "avx512_bf16" where only the dot
 // products are, "" where this kernel cannot run (kvserve then keeps oneDNN for all sizes).

@@ -15,6 +15,7 @@ from torch import nn
 
 from kvserve.model.attention import AttentionBackend, AttentionMetadata, TorchAttention
 from kvserve.model.config import ModelConfig
+from kvserve.model.fused_layers import FusedDecoderLayers
 from kvserve.model.layer_ops import TorchLayerOps
 from kvserve.model.packed_linear import PackedLinear, pack_linears
 from kvserve.model.rotary import RotaryEmbedding
@@ -114,6 +115,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, backend, ops) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.fused_layers: FusedDecoderLayers | None = None  # set by pack_linears where it can run
 
     def forward(
         self,
@@ -125,9 +127,12 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token in the flat batch: [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(cos_sin, x, residual, kv_cache, meta)
+        if self.fused_layers is not None and self.fused_layers.runs(x.shape[0], meta):
+            x, residual = self.fused_layers(x, cos_sin, kv_caches, meta)
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(cos_sin, x, residual, kv_cache, meta)
         return self.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -140,6 +145,7 @@ class LlamaForCausalLM(nn.Module):
         pack_linears(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
+        self.fused_layers = FusedDecoderLayers.create(self)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up as they arrive."""

@@ -1,0 +1,19 @@
+// kvserve's CPU ops, for the files that call each other's (decoder.cpp runs whole layers).
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace kvserve {
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos_sin);
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& context_lens, double scale);
+void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                        const c10::optional<at::Tensor>& bias, bool use_amx);
+
+}  // namespace kvserve
