@@ -1,4 +1,6 @@
-"""The C++ layer loop (decode steps, bf16) gives exactly what the Python layers give."""
+"""The C++ layer loop gives exactly what the Python layers give (bf16), on every kind
+of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
+batches past the small-batch kernel's row limit (oneDNN)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,9 @@ from kvserve.model.packed_linear import small_batch_isa
 
 pytestmark = pytest.mark.skipif(not small_batch_isa(), reason="no small-batch bf16 kernel on this CPU")
 
-PROMPTS = ["Hi", "The capital of France is", "def fibonacci(n):" * 3, "a b c d e f g h i j k l m n o p q r s t"]
+SYSTEM = "You are a terse assistant. Answer in one line, and never apologise. " * 4
+PROMPTS = ["Hi", "The capital of France is", "a b c d e f g h i j k l m n o p q r s t", "word " * 100]
+FOLLOW_UPS = [SYSTEM + "Q: what is two plus two, in words? A:", SYSTEM + "Q: name a colour of the sky at noon. A:"]
 
 
 def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
@@ -18,35 +22,33 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
     saved = model.fused_layers
     model.fused_layers = saved if fused else None
     try:
-        params = SamplingParams(temperature=0, max_tokens=12, logprobs=0, ignore_eos=True)
-        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+        llm.llm_engine.reset_prefix_cache()
+        params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
+        outs = llm.generate(PROMPTS + [SYSTEM], params, use_tqdm=False)
+        outs += llm.generate(FOLLOW_UPS, params, use_tqdm=False)  # SYSTEM is cached by now
     finally:
         model.fused_layers = saved
-    return [
-        (
-            o.outputs[0].token_ids,
-            [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs, strict=True)],
-        )
-        for o in outs
-    ]
+    assert all(o.num_cached_tokens > 0 for o in outs[-len(FOLLOW_UPS) :])
+    samples = [o.outputs[0] for o in outs]
+    return [(s.token_ids, [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)]) for s in samples]
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: bias on q/k/v
 def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type):
     model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type)
-    llm = LLM(model=str(model_dir), dtype="bfloat16", kv_cache_memory="16MiB", enable_prefix_caching=False)
+    llm = LLM(model=str(model_dir), dtype="bfloat16", kv_cache_memory="16MiB")
     assert llm.llm_engine.runner.model.fused_layers is not None
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
 
-def test_fused_loop_takes_only_the_steps_it_has_kernels_for(tiny_model_dir):
+def test_every_step_runs_the_loop(tiny_model_dir, monkeypatch):
     llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="16MiB")
     fused = llm.llm_engine.runner.model.fused_layers
-    calls = []
-    original = fused.op
-    fused.op = lambda *args: calls.append(args[0].shape[0]) or original(*args)
-    llm.generate(["word " * 100], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert calls == [1, 1]  # the 100-token prefill ran the Python layers, the two decodes the loop
+    rows = []
+    monkeypatch.setattr(type(fused), "__call__", lambda self, x, *a: rows.append(x.shape[0]) or [x, x])
+    monkeypatch.setattr(type(llm.llm_engine.runner.model.layers[0]), "forward", lambda *a: pytest.fail("Python layers"))
+    llm.generate([list(range(1000, 1100))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert rows == [100, 1, 1]  # the prefill (past the small-batch row limit), then two decodes
 
 
 def test_float32_models_keep_the_python_layers(tiny_model_dir):

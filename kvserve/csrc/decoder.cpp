@@ -1,16 +1,19 @@
-// A decode step's decoder layers in one call: the same ops the Python layers run
+// A step's decoder layers in one call: the same ops the Python layers run
 // (kvserve/model/llama.py), in the same order with the same roundings, minus the
-// interpreter. At decode batch sizes each layer is ~10 small ops, and their Python
-// dispatch (module calls, views, wrappers; ~4 ms of a 21 ms batch-1 step on SmolLM2)
-// costs as much as the attention itself. Used only where every op has a kernel here:
-// bf16 weights packed for small_batch_linear, rows within its limit, all attention in
-// paged_attention; everything else runs the Python layers.
+// interpreter. Each layer is ~10 small ops; their Python dispatch (module calls, views,
+// wrappers), and the caches it disturbs between kernels, cost ~6 ms of a 21 ms batch-1
+// step on SmolLM2. Projections go to small_batch_linear up to its row limit and to
+// oneDNN's pre-packed bf16 matmul above it; attention to paged_attention for decodes
+// and short chunks, to SDPA for long prefill chunks, exactly as CpuPagedAttention does.
+// Built only for bf16 models whose every projection has both packings, without q/k norm.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cstring>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -19,102 +22,174 @@
 namespace kvserve {
 namespace {
 
-struct Shapes {
-  int64_t tokens, heads, kv_heads, head_dim;
-};
-
 // Each kernel call is a profiler range named as its op, so `kvserve bench step --profile`
 // splits the loop's time as it splits the Python layers' (free when not profiling).
 #define KVSERVE_RANGE(name) RECORD_FUNCTION(name, std::vector<c10::IValue>())
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias, int64_t n,
-                  bool use_amx) {
-  KVSERVE_RANGE("kvserve::small_batch_linear");
-  at::Tensor out = at::empty({x.size(0), n}, x.options());
-  small_batch_linear(out, x, packed, bias, use_amx);
-  return out;
+// One projection in both packings (see kvserve/model/packed_linear.py).
+struct Linear {
+  at::Tensor small;                       // [N/16, K/2, 16, 2] for small_batch_linear
+  std::optional<at::Tensor> small_bias;   // fp32
+  at::Tensor onednn;                      // oneDNN's blocked layout
+  std::optional<at::Tensor> bias;         // bf16, for oneDNN
+  int64_t out_features;
+};
+
+at::Tensor onednn_linear(const at::Tensor& x, const Linear& w) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               c10::string_view, c10::List<std::optional<at::Scalar>>,
+                                               std::optional<c10::string_view>)>();
+  return op.call(x, w.onednn, w.bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
 }
 
-// K/V rows of the new tokens into the paged cache at their slots (block * block_size + offset).
-// k, v: [T, kv_heads, D] views into the fused qkv output (rows strided, heads contiguous).
-void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const int64_t* slots,
-              const Shapes& s) {
-  KVSERVE_RANGE("aten::index_copy_");  // what the Python layers use for it
-  const int64_t slot_count = cache.size(1) * cache.size(2), row = s.kv_heads * s.head_dim;
-  TORCH_CHECK(cache.is_contiguous() && cache.size(3) * cache.size(4) == row, "kv cache must be contiguous");
-  TORCH_CHECK(k.stride(1) == s.head_dim && v.stride(1) == s.head_dim, "k, v: heads must be contiguous");
-  auto* base = cache.data_ptr<at::BFloat16>();
-  const auto* kp = k.const_data_ptr<at::BFloat16>();
-  const auto* vp = v.const_data_ptr<at::BFloat16>();
-  for (int64_t t = 0; t < s.tokens; ++t) {
-    TORCH_CHECK(slots[t] >= 0 && slots[t] < slot_count, "slot ", slots[t], " out of range");
-    std::memcpy(base + slots[t] * row, kp + t * k.stride(0), row * sizeof(at::BFloat16));
-    std::memcpy(base + (slot_count + slots[t]) * row, vp + t * v.stride(0), row * sizeof(at::BFloat16));
-  }
-}
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  Linear qkv, o, gate_up, down;
+};
+
+// The attention rows SDPA computes (CpuPagedAttention's torch_prefills): one long chunk.
+struct LongChunk {
+  int64_t start, len, context_len;
+  at::Tensor block_table;
+  at::Tensor bias;  // [groups * len, context_len] additive mask; empty: no cached prefix, plain causal
+};
 
 }  // namespace
 
-// x [T, hidden] (embedded tokens) -> (output of the last layer's MLP, residual stream), as
-// LlamaForCausalLM's layer loop returns them; the final norm stays in Python.
-std::tuple<at::Tensor, at::Tensor> decoder_layers(
-    const at::Tensor& x_in, const at::Tensor& cos_sin, const std::vector<at::Tensor>& input_norm,
-    const std::vector<at::Tensor>& qkv, const c10::List<c10::optional<at::Tensor>>& qkv_bias,
-    const std::vector<at::Tensor>& o_proj, const std::vector<at::Tensor>& post_norm,
-    const std::vector<at::Tensor>& gate_up, const std::vector<at::Tensor>& down, const std::vector<at::Tensor>& kv_caches,
-    const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& query_start,
-    const at::Tensor& query_lens, const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads,
-    int64_t intermediate_size, double eps, double scale, bool use_amx) {
-  const int64_t layers = static_cast<int64_t>(kv_caches.size());
-  TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "x must be bf16 [tokens, hidden]");
-  for (const auto* list : {&input_norm, &qkv, &o_proj, &post_norm, &gate_up, &down})
-    TORCH_CHECK(static_cast<int64_t>(list->size()) == layers, "one weight per layer");
-  TORCH_CHECK(static_cast<int64_t>(qkv_bias.size()) == layers, "one qkv bias (or None) per layer");
-  const int64_t hidden = x_in.size(1), head_dim = kv_caches[0].size(4);
-  const Shapes s{x_in.size(0), num_heads, num_kv_heads, head_dim};
-  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
-                  slot_mapping.numel() == s.tokens, "slot_mapping: int64 [tokens]");
-  const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+class DecoderLayers : public torch::CustomClassHolder {
+ public:
+  DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
+                int64_t max_small_rows, bool use_amx)
+      : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), intermediate_(intermediate_size),
+        eps_(eps), max_small_rows_(max_small_rows), use_amx_(use_amx) {}
 
-  at::Tensor x = x_in, residual, h = at::empty_like(x_in);
-  for (int64_t l = 0; l < layers; ++l) {
-    if (l == 0) {
-      residual = x_in.clone();
-      rms_norm(h, x_in, input_norm[l], eps);
-    } else {
-      fused_add_rms_norm(h, x, residual, input_norm[l], eps);  // residual += x
-    }
-    const at::Tensor fused = linear(h, qkv[l], qkv_bias.get(l), q_size + 2 * kv_size, use_amx);
-    at::Tensor q = fused.narrow(1, 0, q_size).view({s.tokens, num_heads, head_dim});
-    at::Tensor k = fused.narrow(1, q_size, kv_size).view({s.tokens, num_kv_heads, head_dim});
-    const at::Tensor v = fused.narrow(1, q_size + kv_size, kv_size).view({s.tokens, num_kv_heads, head_dim});
-    rotary_embedding(q, k, cos_sin);
-    write_kv(k, v, kv_caches[l], slots, s);
-    at::Tensor attn = at::empty({s.tokens, num_heads, head_dim}, x_in.options());
-    {
-      KVSERVE_RANGE("kvserve::paged_attention");
-      paged_attention(attn, q, kv_caches[l][0], kv_caches[l][1], block_tables, query_start, query_lens, context_lens,
-                      scale);
-    }
-    const at::Tensor o = linear(attn.view({s.tokens, q_size}), o_proj[l], c10::nullopt, hidden, use_amx);
-    fused_add_rms_norm(h, o, residual, post_norm[l], eps);  // residual += o
-    const at::Tensor gu = linear(h, gate_up[l], c10::nullopt, 2 * intermediate_size, use_amx);
-    at::Tensor act = at::empty({s.tokens, intermediate_size}, x_in.options());
-    silu_and_mul(act, gu);
-    x = linear(act, down[l], c10::nullopt, hidden, use_amx);
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> packed,
+                 std::vector<at::Tensor> onednn, std::optional<at::Tensor> qkv_small_bias,
+                 std::optional<at::Tensor> qkv_bias) {
+    TORCH_CHECK(packed.size() == 4 && onednn.size() == 4, "qkv, o, gate_up, down: both packings of each");
+    const int64_t hidden = input_norm.size(0), q = heads_ * head_dim_, kv = kv_heads_ * head_dim_;
+    layers_.push_back({input_norm, post_norm, {packed[0], qkv_small_bias, onednn[0], qkv_bias, q + 2 * kv},
+                       {packed[1], std::nullopt, onednn[1], std::nullopt, hidden},
+                       {packed[2], std::nullopt, onednn[2], std::nullopt, 2 * intermediate_},
+                       {packed[3], std::nullopt, onednn[3], std::nullopt, hidden}});
   }
-  return {x, residual};
-}
+
+  // x [T, hidden] (embedded tokens) -> (last layer's MLP output, residual stream), as
+  // LlamaForCausalLM's layer loop returns them; the final norm stays in Python. The
+  // kernel_* tensors are CpuPagedAttention's plan for the rows paged_attention computes;
+  // the long_* lists describe the chunks left to SDPA.
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x_in, at::Tensor cos_sin, std::vector<at::Tensor> kv_caches,
+                                             at::Tensor slot_mapping, at::Tensor kernel_tables,
+                                             at::Tensor kernel_starts, at::Tensor kernel_lens,
+                                             at::Tensor kernel_context_lens, std::vector<int64_t> long_starts,
+                                             std::vector<int64_t> long_lens, std::vector<int64_t> long_context_lens,
+                                             std::vector<at::Tensor> long_tables, std::vector<at::Tensor> long_bias) {
+    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "x must be bf16 [tokens, hidden]");
+    TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+                    slot_mapping.numel() == x_in.size(0), "slot_mapping: int64 [tokens]");
+    std::vector<LongChunk> chunks;
+    for (size_t i = 0; i < long_starts.size(); ++i)
+      chunks.push_back({long_starts[i], long_lens[i], long_context_lens[i], long_tables[i], long_bias[i]});
+    const int64_t tokens = x_in.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
+    const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+
+    at::Tensor x = x_in, residual = x_in.clone(), h = at::empty_like(x_in);
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const Layer& w = layers_[l];
+      if (l == 0) {
+        rms_norm(h, x_in, w.input_norm, eps_);
+      } else {
+        fused_add_rms_norm(h, x, residual, w.input_norm, eps_);  // residual += x
+      }
+      const at::Tensor fused = linear(h, w.qkv);
+      at::Tensor q = fused.narrow(1, 0, q_size).view({tokens, heads_, head_dim_});
+      at::Tensor k = fused.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      const at::Tensor v = fused.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      rotary_embedding(q, k, cos_sin);
+      write_kv(k, v, kv_caches[l], slot_mapping.const_data_ptr<int64_t>());
+      at::Tensor attn = at::empty({tokens, heads_, head_dim_}, x_in.options());
+      if (kernel_lens.numel() > 0) {
+        KVSERVE_RANGE("kvserve::paged_attention");
+        paged_attention(attn, q, kv_caches[l][0], kv_caches[l][1], kernel_tables, kernel_starts, kernel_lens,
+                        kernel_context_lens, scale);
+      }
+      for (const LongChunk& c : chunks) long_chunk_attention(attn, q, k, v, kv_caches[l], c);
+      const at::Tensor o = linear(attn.view({tokens, q_size}), w.o);
+      fused_add_rms_norm(h, o, residual, w.post_norm, eps_);  // residual += o
+      const at::Tensor gu = linear(h, w.gate_up);
+      at::Tensor act = at::empty({tokens, intermediate_}, x_in.options());
+      silu_and_mul(act, gu);
+      x = linear(act, w.down);
+    }
+    return {x, residual};
+  }
+
+ private:
+  at::Tensor linear(const at::Tensor& x, const Linear& w) const {
+    if (x.size(0) > max_small_rows_) {
+      KVSERVE_RANGE("mkldnn::_linear_pointwise");
+      return onednn_linear(x, w);
+    }
+    KVSERVE_RANGE("kvserve::small_batch_linear");
+    at::Tensor out = at::empty({x.size(0), w.out_features}, x.options());
+    small_batch_linear(out, x, w.small, w.small_bias, use_amx_);
+    return out;
+  }
+
+  // K/V rows of the new tokens into the paged cache at their slots (block * block_size +
+  // offset). k, v: [T, kv_heads, D] views into the fused qkv output (heads contiguous).
+  void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const int64_t* slots) const {
+    KVSERVE_RANGE("aten::index_copy_");  // what the Python layers use for it
+    const int64_t slot_count = cache.size(1) * cache.size(2), row = kv_heads_ * head_dim_;
+    TORCH_CHECK(cache.is_contiguous() && cache.size(3) * cache.size(4) == row, "kv cache must be contiguous");
+    TORCH_CHECK(k.stride(1) == head_dim_ && v.stride(1) == head_dim_, "k, v: heads must be contiguous");
+    auto* base = cache.data_ptr<at::BFloat16>();
+    const auto* kp = k.const_data_ptr<at::BFloat16>();
+    const auto* vp = v.const_data_ptr<at::BFloat16>();
+    for (int64_t t = 0; t < k.size(0); ++t) {
+      TORCH_CHECK(slots[t] >= 0 && slots[t] < slot_count, "slot ", slots[t], " out of range");
+      std::memcpy(base + slots[t] * row, kp + t * k.stride(0), row * sizeof(at::BFloat16));
+      std::memcpy(base + (slot_count + slots[t]) * row, vp + t * v.stride(0), row * sizeof(at::BFloat16));
+    }
+  }
+
+  // TorchAttention._prefill for one chunk, into its rows of attn.
+  void long_chunk_attention(at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cache, const LongChunk& c) const {
+    KVSERVE_RANGE("aten::scaled_dot_product_attention");
+    const at::Tensor rows = q.narrow(0, c.start, c.len).transpose(0, 1).unsqueeze(0);  // [1, Hq, n, D]
+    at::Tensor o;
+    if (c.bias.numel() == 0) {  // no cached prefix: the new K/V are the whole context
+      const at::Tensor keys = k.narrow(0, c.start, c.len).transpose(0, 1).unsqueeze(0);
+      const at::Tensor values = v.narrow(0, c.start, c.len).transpose(0, 1).unsqueeze(0);
+      o = at::scaled_dot_product_attention(rows, keys, values, std::nullopt, 0.0, true, std::nullopt, true)[0];
+    } else {  // query heads folded into rows per KV head, additive mask (see TorchAttention)
+      const int64_t groups = heads_ / kv_heads_;
+      const at::Tensor folded = rows.reshape({1, kv_heads_, groups * c.len, head_dim_});
+      auto gather = [&](const at::Tensor& side) {  // [blocks, bs, H, D] -> [1, H, context, D]
+        return side.index_select(0, c.block_table).flatten(0, 1).transpose(0, 1).narrow(1, 0, c.context_len).unsqueeze(0);
+      };
+      o = at::scaled_dot_product_attention(folded, gather(cache[0]), gather(cache[1]), c.bias)
+              .view({heads_, c.len, head_dim_});
+    }
+    attn.narrow(0, c.start, c.len).copy_(o.transpose(0, 1));
+  }
+
+  int64_t heads_, kv_heads_, head_dim_, intermediate_;
+  double eps_;
+  int64_t max_small_rows_;
+  bool use_amx_;
+  std::vector<Layer> layers_;
+};
 
 }  // namespace kvserve
 
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
-  m.def(
-      "decoder_layers(Tensor x, Tensor cos_sin, Tensor[] input_norm, Tensor[] qkv, Tensor?[] qkv_bias, "
-      "Tensor[] o_proj, Tensor[] post_norm, Tensor[] gate_up, Tensor[] down, Tensor(a!)[] kv_caches, "
-      "Tensor slot_mapping, Tensor block_tables, Tensor query_start, Tensor query_lens, Tensor context_lens, "
-      "int num_heads, int num_kv_heads, int intermediate_size, float eps, float scale, bool use_amx) "
-      "-> (Tensor, Tensor)");
-  m.impl("decoder_layers", c10::DispatchKey::CPU, &kvserve::decoder_layers);
+  m.class_<kvserve::DecoderLayers>("DecoderLayers")
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, bool>())
+      .def("add_layer", &kvserve::DecoderLayers::add_layer)
+      .def("forward", &kvserve::DecoderLayers::forward);
 }

@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token in the flat batch: [num_tokens, hidden]."""
         x = self.embed_tokens(input_ids)
         cos_sin = self.rotary.lookup(positions)
-        if self.fused_layers is not None and self.fused_layers.runs(x.shape[0], meta):
+        if self.fused_layers is not None:
             x, residual = self.fused_layers(x, cos_sin, kv_caches, meta)
         else:
             residual = None
