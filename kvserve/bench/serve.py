@@ -488,7 +488,7 @@ def load_sessions(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerBase) -> lis
         return [_single(tokenizer, r) for r in datasets.sample_sharegpt(tokenizer, spec.num_prompts, spec.seed)]
     if spec.name == "random":
         reqs = datasets.sample_random(spec.num_prompts, spec.input_len, spec.output_len, vocab, spec.seed)
-        return [_single(tokenizer, r) for r in reqs]
+        return [_single(tokenizer, r, retokenized=True) for r in reqs]
     if spec.name == "shared-prefix":
         reqs = conversations.shared_prefix_requests(
             vocab, spec.num_prompts, spec.prefix_len, spec.suffix_len, spec.output_len, spec.seed
@@ -500,9 +500,12 @@ def load_sessions(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerBase) -> lis
     raise ValueError(f"unknown workload {spec.name!r} ({', '.join(WORKLOADS)})")
 
 
-def _single(tokenizer: PreTrainedTokenizerBase, request: Any) -> Session:
-    text = tokenizer.decode(request.prompt_token_ids, skip_special_tokens=True)
-    return Session((text,), (request.max_tokens,), prompt_len=len(request.prompt_token_ids))
+def _single(tokenizer: PreTrainedTokenizerBase, request: Any, retokenized: bool = False) -> Session:
+    ids = request.prompt_token_ids
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    if retokenized:  # random ids decode to text that tokenizes ~5% longer: cut it back, as vLLM's random set does
+        text = tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[: len(ids)], skip_special_tokens=True)
+    return Session((text,), (request.max_tokens,), prompt_len=len(ids))
 
 
 def _shared_prefix(tokenizer: PreTrainedTokenizerBase, requests: Sequence[Any], prefix_len: int) -> list[Session]:
