@@ -222,3 +222,13 @@ def test_stream_parser_counts_chunks_without_usage_and_reports_errors():
     assert r.error == "HTTP 502: <html>bad gateway</html>"
     r = parse(200, "data: [DONE]\n\n")
     assert not r.success and "no text" in r.error
+
+
+def test_random_prompts_retokenize_to_input_len(smollm2_dir):
+    """Decoded random ids re-tokenize longer; the prompts sent are cut back to input_len tokens."""
+    from kvserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_dir)
+    sessions = serve.load_sessions(serve.WorkloadSpec(name="random", num_prompts=16, input_len=256), tokenizer)
+    lengths = [len(tokenizer.encode(s.prompts[0], add_special_tokens=False)) for s in sessions]
+    assert all(abs(n - 256) <= 2 for n in lengths), lengths
