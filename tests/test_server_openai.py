@@ -226,3 +226,15 @@ def test_smollm2_streaming_chat(smol):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole and all(str(i) in text for i in range(1, 6))
     assert chunks[-1].usage.completion_tokens > 1
+
+
+def test_server_prefills_in_smaller_chunks_than_offline_unless_told():
+    from kvserve.config import EngineConfig
+    from kvserve.entrypoints.cli import build_parser, engine_config
+    from kvserve.server.args import SERVER_MAX_NUM_BATCHED_TOKENS
+
+    parse = build_parser().parse_args
+    assert engine_config(parse(["serve"])).max_num_batched_tokens == SERVER_MAX_NUM_BATCHED_TOKENS
+    assert SERVER_MAX_NUM_BATCHED_TOKENS < EngineConfig().max_num_batched_tokens
+    assert engine_config(parse(["serve", "--max-num-batched-tokens", "2048"])).max_num_batched_tokens == 2048
+    assert engine_config(parse(["generate", "hi"])).max_num_batched_tokens == EngineConfig().max_num_batched_tokens

@@ -4,8 +4,17 @@ from __future__ import annotations
 
 import argparse
 
+# Prefill tokens per step when serving (offline LLM keeps EngineConfig's 2048, as vLLM
+# also picks a smaller budget for its server than for offline use). On a 2-core CPU a
+# 2048-token step takes ~0.35 s, stalling every running stream and making a burst of
+# requests wait for one another; 512-token chunks, measured with bench_client.py at c=8:
+# TTFT p50 0.47 -> 0.29 s, output tok/s 267 -> 240.
+SERVER_MAX_NUM_BATCHED_TOKENS = 512
+
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags, and its engine defaults where they differ from offline use."""
+    parser.set_defaults(max_num_batched_tokens=SERVER_MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name clients use (default: the model)")
