@@ -21,7 +21,7 @@
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -35,6 +35,23 @@ constexpr int kRowBlock = 4;        // rows of x per pass: 4 x 4 accumulators + 
 constexpr int64_t kPrefetchLines = 16;  // how far ahead in each group's stream to ask for lines
 
 #if defined(__AVX512BF16__)
+
+// A tile's fp32 sums (sum(r, g): row r, group g) plus bias, rounded to bf16, into the
+// columns [col0, col0 + 64) of out that exist (< n).
+template <typename Sum>
+inline void store_tile(at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n, const float* bias,
+                       int64_t rows, Sum sum) {
+  for (int g = 0; g < kTileGroups; ++g) {
+    const int64_t col = col0 + g * kGroupCols;
+    if (col >= n) break;
+    const __mmask16 mask = n - col >= kGroupCols ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(sum(r, g), b));
+      _mm256_mask_storeu_epi16(out + r * out_stride + col, mask, (__m256i)y);
+    }
+  }
+}
 
 // One tile (kTileGroups groups) against MR rows of x; sums in fp32, stored rounded to bf16.
 template <int MR>
@@ -58,16 +75,7 @@ void tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_
       for (int g = 0; g < kTileGroups; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
     }
   }
-  for (int g = 0; g < kTileGroups; ++g) {
-    const int64_t col = col0 + g * kGroupCols;
-    if (col >= n) break;
-    const __mmask16 mask = n - col >= kGroupCols ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int r = 0; r < MR; ++r) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][g], b));
-      _mm256_mask_storeu_epi16(out + r * out_stride + col, mask, (__m256i)y);
-    }
-  }
+  store_tile(out, out_stride, col0, n, bias, MR, [&](int64_t r, int g) { return acc[r][g]; });
 }
 
 using TileFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, const float*, at::BFloat16*,
@@ -84,7 +92,7 @@ TileFn pick(int mr) {
 
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 
 // AMX: tiles 0-3 hold the fp32 sums of 4 groups (up to 16 rows x 16 columns each), tile 4
 // a 16-row x 32-K slice of x, tiles 5/6 a group's 16 K pairs x 16 columns, which is
@@ -144,16 +152,7 @@ void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, in
   _tile_stored(1, sums[1], 64);
   _tile_stored(2, sums[2], 64);
   _tile_stored(3, sums[3], 64);
-  for (int g = 0; g < kTileGroups; ++g) {
-    const int64_t col = col0 + g * kGroupCols;
-    if (col >= n) break;
-    const __mmask16 mask = n - col >= kGroupCols ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < m; ++r) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(sums[g][r]), b));
-      _mm256_mask_storeu_epi16(out + r * out_stride + col, mask, (__m256i)y);
-    }
-  }
+  store_tile(out, out_stride, col0, n, bias, m, [&](int64_t r, int g) { return _mm512_load_ps(sums[g][r]); });
 }
 #undef KVSERVE_AMX_GROUP
 
@@ -181,7 +180,7 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if (use_amx) {
     TORCH_CHECK(x.size(1) % kAmxK == 0 && amx_permitted(), "AMX path needs K % 32 == 0 and AMX permission");
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -218,7 +217,7 @@ namespace {
 // "amx" where AMX is compiled in and Linux grants it, "avx512_bf16" where only the dot
 // products are, "" where this kernel cannot run (kvserve then keeps oneDNN for all sizes).
 std::string small_batch_linear_isa() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
   if (amx_permitted()) return "amx";
 #endif
 #if defined(__AVX512BF16__)
