@@ -8,9 +8,13 @@ import pytest
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
+from kvserve.model import packed_linear
 from kvserve.model.packed_linear import small_batch_isa
 
 pytestmark = pytest.mark.skipif(not small_batch_isa(), reason="no small-batch bf16 kernel on this CPU")
+
+# an AMX machine also runs the AVX512-BF16 kernel (as a CPU without AMX would, up to 4 rows)
+ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), [])
 
 SYSTEM = "You are a terse assistant. Answer in one line, and never apologise. " * 4
 PROMPTS = ["Hi", "The capital of France is", "a b c d e f g h i j k l m n o p q r s t", "word " * 100]
@@ -33,11 +37,14 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
     return [(s.token_ids, [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)]) for s in samples]
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: bias on q/k/v
-def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type):
+def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, isa, monkeypatch):
+    monkeypatch.setattr(packed_linear, "small_batch_isa", lambda: isa)
     model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type)
     llm = LLM(model=str(model_dir), dtype="bfloat16", kv_cache_memory="16MiB")
-    assert llm.llm_engine.runner.model.fused_layers is not None
+    model = llm.llm_engine.runner.model
+    assert model.fused_layers is not None and model.layers[0].mlp.down_proj.small.use_amx == (isa == "amx")
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
 
