@@ -6,8 +6,8 @@ call; at decode batch sizes that costs more than the multiply (a 960x576 project
 1.4-1.9x faster at batch 1-64 with identical results. fp32 gains nothing this way
 (MKL's sgemm is already direct), so only bf16 weights are packed.
 
-Decode batches go further: oneDNN reads cold weights at a third of the machine's
-bandwidth, so up to `SmallBatchWeight.max_rows` rows kvserve's own kernel
+Decode batches and prefill chunks go further: oneDNN reads cold weights at a third of
+the machine's bandwidth, so up to `SmallBatchWeight.max_rows` rows kvserve's own kernel
 (`kvserve/csrc/small_batch_linear.cpp`) streams a second copy of the weight packed for
 it. The weights then take twice their memory, a fair trade for small models on a CPU.
 """
@@ -27,9 +27,10 @@ from kvserve.model import cpu_ext
 BATCH_SIZE_HINT = 64
 
 # Up to how many rows kvserve's kernel beats oneDNN, per ISA (30 SmolLM2 layers, cold
-# weights): with AMX 10 vs 16 ms at 1-16 rows, 17 vs 18 at 64, 31 vs 36 at 192, even at
-# 256; with AVX512-BF16 dot products alone 9.4 vs 15 ms at 1-4 rows, even at 8.
-SMALL_BATCH_MAX_ROWS = {"amx": 192, "avx512_bf16": 4}
+# weights, ms): with AMX 10 vs 16 at 1-16 rows, 18 vs 23 at 64, 31 vs 36 at 192, 78 vs
+# 93 at 512, 131 vs 160 at 1,024, but 280 vs 184 at 2,048; with AVX512-BF16 dot products
+# alone 9.4 vs 15 at 1-4 rows, even at 8.
+SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 4}
 TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
 
 
