@@ -171,6 +171,11 @@ def cmd_step(args: argparse.Namespace) -> None:
 
 
 def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
+    from dataclasses import fields
+
+    from kvserve.bench.peers import DEFAULT_ANCHORS, PeersConfig  # stdlib only: cheap to import
+
+    d = {f.name: f.default for f in fields(PeersConfig)}  # one place for the defaults
     p = subparsers.add_parser(
         "peers",
         help="kvserve vs vLLM-cpu and llama-server, one server at a time: peers.md, peers.json, peers.png",
@@ -178,9 +183,9 @@ def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
         "and client, then writes the ratios against the targets. A missing peer is skipped with a note.",
     )
     p.add_argument("--out", type=Path, default=Path("docs/bench-peers"), help="peers.md/json/png; runs/ for logs")
-    p.add_argument("--engines", default="kvserve,vllm,llama", help="comma-separated subset, run in this order")
-    p.add_argument("--anchors", type=Path, default=Path(os.environ.get("ANCHORS", "/tmp/kvserve-anchors")),
-                   help="where setup.sh installed the peers (default: $ANCHORS or /tmp/kvserve-anchors)")  # fmt: skip
+    p.add_argument("--engines", default=",".join(d["engines"]), help="comma-separated subset, run in this order")
+    p.add_argument("--anchors", type=Path, default=None,
+                   help=f"where setup.sh installed the peers (default: $ANCHORS or {DEFAULT_ANCHORS})")  # fmt: skip
     p.add_argument("--anchors-dir", type=Path, default=None,
                    help="bench_client.py and the start scripts (default: $KVSERVE_ANCHORS_DIR or "
                    "../shared/anchors from the repo root)")  # fmt: skip
@@ -188,20 +193,28 @@ def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kvserve-args", default="", help="engine flags for every kvserve command, e.g. '--dtype bfloat16'")
     p.add_argument("--skip-offline", action="store_true", help="no bench throughput / step / vllm_offline.py")
     p.add_argument("--skip-serving", action="store_true", help="start no server")
-    p.add_argument("--num-prompts", type=int, default=32, help="offline random: prompts")
-    p.add_argument("--input-len", type=int, default=256, help="offline random: prompt tokens")
-    p.add_argument("--output-len", type=int, default=128, help="offline random: output tokens")
-    p.add_argument("--num-prompts-sharegpt", type=int, default=200, help="offline ShareGPT requests; 0: none")
-    p.add_argument("--num-requests", type=int, default=32, help="bench_client.py random: requests")
-    p.add_argument("--input-words", type=int, default=256, help="bench_client.py random: prompt words")
-    p.add_argument("--max-tokens", type=int, default=64, help="bench_client.py: output tokens")
-    p.add_argument("--concurrency", type=int, default=8, help="serving and shared-prefix concurrency")
-    p.add_argument("--conversations", type=int, default=8, help="bench_client.py shared-prefix")
-    p.add_argument("--system-words", type=int, default=1024, help="bench_client.py shared-prefix")
-    p.add_argument("--question-words", type=int, default=32, help="bench_client.py shared-prefix")
-    p.add_argument("--step-batch-sizes", type=int, nargs="*", default=[1, 64], help="bench step; none: no step run")
-    p.add_argument("--startup-timeout", type=float, default=300.0, help="seconds for a server to answer")
-    p.add_argument("--run-timeout", type=float, default=3600.0, help="seconds for one run")
+    p.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="offline random: prompts")
+    p.add_argument("--input-len", type=int, default=d["input_len"], help="offline random: prompt tokens")
+    p.add_argument("--output-len", type=int, default=d["output_len"], help="offline random: output tokens")
+    p.add_argument(
+        "--num-prompts-sharegpt", type=int, default=d["num_prompts_sharegpt"], help="offline ShareGPT requests; 0: none"
+    )
+    p.add_argument("--num-requests", type=int, default=d["num_requests"], help="bench_client.py random: requests")
+    p.add_argument("--input-words", type=int, default=d["input_words"], help="bench_client.py random: prompt words")
+    p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="bench_client.py: output tokens")
+    p.add_argument("--concurrency", type=int, default=d["concurrency"], help="serving and shared-prefix concurrency")
+    p.add_argument("--conversations", type=int, default=d["conversations"], help="bench_client.py shared-prefix")
+    p.add_argument("--system-words", type=int, default=d["system_words"], help="bench_client.py shared-prefix")
+    p.add_argument("--question-words", type=int, default=d["question_words"], help="bench_client.py shared-prefix")
+    p.add_argument(
+        "--step-batch-sizes",
+        type=int,
+        nargs="*",
+        default=list(d["step_batch_sizes"]),
+        help="bench step; none: no step run",
+    )
+    p.add_argument("--startup-timeout", type=float, default=d["startup_timeout"], help="seconds for a server to answer")
+    p.add_argument("--run-timeout", type=float, default=d["run_timeout"], help="seconds for one run")
     p.add_argument("--render-only", action="store_true", help="only rewrite peers.md/png from <out>/peers.json")
     p.set_defaults(func=cmd_peers)
 

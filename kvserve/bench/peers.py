@@ -48,7 +48,7 @@ STOP_GRACE_S = 30.0
 class PeersConfig:
     out: Path
     engines: tuple[str, ...] = ENGINES
-    anchors: Path = Path(DEFAULT_ANCHORS)  # where setup.sh installed the peers ($ANCHORS)
+    anchors: Path | None = None  # where setup.sh installed the peers; None: $ANCHORS or DEFAULT_ANCHORS
     anchors_dir: Path | None = None  # the scripts: bench_client.py, start_*.sh, vllm_offline.py
     model: str | None = None  # kvserve's model; None: its default (SmolLM2-135M)
     kvserve_args: tuple[str, ...] = ()  # engine flags for every kvserve command
@@ -73,6 +73,7 @@ class PeersConfig:
         unknown = set(self.engines) - set(ENGINES)
         if unknown or not self.engines:
             raise ValueError(f"--engines takes a comma-separated subset of {','.join(ENGINES)}, got {self.engines}")
+        self.anchors = self.anchors or Path(os.environ.get("ANCHORS", DEFAULT_ANCHORS))
         self.anchors_dir = self.anchors_dir or default_anchors_dir()
 
     @property

@@ -87,10 +87,16 @@ def successful_results(report: dict[str, Any]) -> Results:
     return {(r["engine"], r["run"]): r["result"] for r in report["runs"] if r["ok"] and r["result"] is not None}
 
 
-def lookup(results: Results, engine: str, metric: Metric) -> float | None:
-    value: Any = results.get((engine, metric.run))
-    for part in metric.key.split("."):
+def dig(results: Results, engine: str, run: str, key: str) -> Any:
+    """The value at dotted `key` in the run's JSON, or None."""
+    value: Any = results.get((engine, run))
+    for part in key.split("."):
         value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def lookup(results: Results, engine: str, metric: Metric) -> float | None:
+    value = dig(results, engine, metric.run, metric.key)
     return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
 
 
@@ -152,11 +158,8 @@ def report_peers(report: dict[str, Any]) -> tuple[str, ...]:
 
 
 def kvserve_dtype(results: Results) -> str:
-    for run, path in (("offline-random", ("dtype",)), ("step", ("roofline", "dtype"))):
-        value: Any = results.get(("kvserve", run))
-        for part in path:
-            value = value.get(part) if isinstance(value, dict) else None
-        if value:
+    for run, key in (("offline-random", "dtype"), ("step", "roofline.dtype")):
+        if value := dig(results, "kvserve", run, key):
             return str(value)
     return "dtype not reported"
 

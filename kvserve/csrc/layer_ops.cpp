@@ -77,7 +77,7 @@ void add_row(T* residual, const T* x, int64_t n) {
 // relative error) instead of a division: exp and the division were this op's whole cost.
 inline fVec silu(const fVec& g) {
   const fVec d = fVec(1.f) + g.neg().exp_u20();
-#if defined(__AVX512F__)
+#if defined(CPU_CAPABILITY_AVX512)  // fVec is then one __m512
   const fVec r(_mm512_rcp14_ps(d));
   return g * (r * at::vec::fnmadd(d, r, fVec(2.f)));  // r (2 - d r)
 #else

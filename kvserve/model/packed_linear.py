@@ -55,6 +55,7 @@ class SmallBatchWeight:
         self.out_features = n
         self.use_amx = isa == "amx"
         self.max_rows = SMALL_BATCH_MAX_ROWS[isa]
+        self.op = cpu_ext.load().small_batch_linear.default
 
     @staticmethod
     def fits(weight: torch.Tensor, isa: str) -> bool:
@@ -63,7 +64,7 @@ class SmallBatchWeight:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = x.new_empty(x.shape[0], self.out_features)
-        cpu_ext.load().small_batch_linear(out, x.contiguous(), self.packed, self.bias, self.use_amx)
+        self.op(out, x.contiguous(), self.packed, self.bias, self.use_amx)
         return out
 
 
