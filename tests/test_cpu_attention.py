@@ -152,3 +152,37 @@ def test_unsupported_head_dim_falls_back():
     assert cpu_attention.supports(64) and cpu_attention.supports(16) and not cpu_attention.supports(48)
     assert isinstance(cpu_attention.select_backend(torch.device("cpu"), 48), TorchAttention)
     assert isinstance(cpu_attention.select_backend(torch.device("cpu"), 64), CpuPagedAttention)
+
+
+# The AMX prefill kernel (bf16): P is rounded to bf16 before P V, as SDPA's flash kernel
+# does, so it is held to SDPA-in-bf16's bounds against the fp32 reference.
+needs_prefill_kernel = pytest.mark.skipif(
+    not cpu_attention.supports_prefill_kernel(64), reason="no AMX: the prefill kernel does not run here"
+)
+CHUNKS = [(0, 2), (0, 40), (30, 10), (50, 37), (1000, 3), (100, 365), (16, 16), (17, 64)]
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])
+def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim):
+    batch = make_batch([3, 200], CHUNKS, heads, kv_heads, head_dim, torch.bfloat16, seed=5)
+    backend = CpuPagedAttention(prefill_kernel=True)
+    out, ref32 = run_both(backend, *batch, reference_dtype=torch.float32)
+    assert backend._batch.chunks is not None and not backend._batch.torch_prefills  # every chunk took the kernel
+    torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
+
+
+@needs_prefill_kernel
+def test_prefill_kernel_ignores_stale_slots():
+    """Slots past a context may hold anything (NaN from a freed request): never read into the output."""
+    q, k, v, kv, meta = make_batch([], [(5, 20), (40, 33)], 9, 3, 64, torch.bfloat16, seed=6)
+    ref = TorchAttention().forward(q.float(), k.float(), v.float(), kv.float(), meta)
+    written = torch.zeros(kv.shape[1] * BS, dtype=torch.bool)
+    written[meta.slot_mapping] = True
+    for s in meta.prefills:  # the cached prefixes too
+        written[(s.block_table[:, None] * BS + torch.arange(BS)).flatten()[: s.context_len]] = True
+    poisoned = kv.clone()
+    poisoned.view(2, -1, *kv.shape[3:])[:, ~written] = float("nan")
+    out = CpuPagedAttention(prefill_kernel=True).forward(q, k, v, poisoned, meta)
+    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)

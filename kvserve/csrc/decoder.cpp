@@ -3,8 +3,8 @@
 // interpreter. Each layer is ~10 small ops; their Python dispatch (module calls, views,
 // wrappers), and the caches it disturbs between kernels, cost ~6 ms of a 21 ms batch-1
 // step on SmolLM2. Projections go to small_batch_linear up to its row limit and to
-// oneDNN's pre-packed bf16 matmul above it; attention to paged_attention for decodes
-// and short chunks, to SDPA for long prefill chunks, exactly as CpuPagedAttention does.
+// oneDNN's pre-packed bf16 matmul above it; attention to the kernels CpuPagedAttention
+// picks: paged_attention, prefill_attention, SDPA for long chunks where there is no AMX.
 // Built only for bf16 models whose every projection has both packings, without q/k norm.
 
 #include <ATen/ATen.h>
@@ -77,22 +77,23 @@ class DecoderLayers : public torch::CustomClassHolder {
   }
 
   // x [T, hidden] (embedded tokens) -> (last layer's MLP output, residual stream), as
-  // LlamaForCausalLM's layer loop returns them; the final norm stays in Python. The
-  // kernel_* tensors are CpuPagedAttention's plan for the rows paged_attention computes;
-  // the long_* lists describe the chunks left to SDPA.
+  // LlamaForCausalLM's layer loop returns them; the final norm stays in Python. `paged`
+  // and `chunks` are CpuPagedAttention's plan (block tables, query starts, query lengths,
+  // context lengths) for the rows paged_attention and prefill_attention compute (chunks
+  // empty: none); the long_* lists describe the chunks left to SDPA.
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x_in, at::Tensor cos_sin, std::vector<at::Tensor> kv_caches,
-                                             at::Tensor slot_mapping, at::Tensor kernel_tables,
-                                             at::Tensor kernel_starts, at::Tensor kernel_lens,
-                                             at::Tensor kernel_context_lens, std::vector<int64_t> long_starts,
+                                             at::Tensor slot_mapping, std::vector<at::Tensor> paged,
+                                             std::vector<at::Tensor> chunks, std::vector<int64_t> long_starts,
                                              std::vector<int64_t> long_lens, std::vector<int64_t> long_context_lens,
                                              std::vector<at::Tensor> long_tables, std::vector<at::Tensor> long_bias) {
     TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "x must be bf16 [tokens, hidden]");
     TORCH_CHECK(kv_caches.size() == layers_.size(), "one KV cache per layer");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                     slot_mapping.numel() == x_in.size(0), "slot_mapping: int64 [tokens]");
-    std::vector<LongChunk> chunks;
+    TORCH_CHECK(paged.size() == 4 && (chunks.empty() || chunks.size() == 4), "paged, chunks: 4 tensors each");
+    std::vector<LongChunk> long_chunks;
     for (size_t i = 0; i < long_starts.size(); ++i)
-      chunks.push_back({long_starts[i], long_lens[i], long_context_lens[i], long_tables[i], long_bias[i]});
+      long_chunks.push_back({long_starts[i], long_lens[i], long_context_lens[i], long_tables[i], long_bias[i]});
     const int64_t tokens = x_in.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
 
@@ -111,12 +112,16 @@ class DecoderLayers : public torch::CustomClassHolder {
       rotary_embedding(q, k, cos_sin);
       write_kv(k, v, kv_caches[l], slot_mapping.const_data_ptr<int64_t>());
       at::Tensor attn = at::empty({tokens, heads_, head_dim_}, x_in.options());
-      if (kernel_lens.numel() > 0) {
+      if (paged[2].numel() > 0) {
         KVSERVE_RANGE("kvserve::paged_attention");
-        paged_attention(attn, q, kv_caches[l][0], kv_caches[l][1], kernel_tables, kernel_starts, kernel_lens,
-                        kernel_context_lens, scale);
+        paged_attention(attn, q, kv_caches[l][0], kv_caches[l][1], paged[0], paged[1], paged[2], paged[3], scale);
       }
-      for (const LongChunk& c : chunks) long_chunk_attention(attn, q, k, v, kv_caches[l], c);
+      if (!chunks.empty()) {
+        KVSERVE_RANGE("kvserve::prefill_attention");
+        prefill_attention(attn, q, kv_caches[l][0], kv_caches[l][1], chunks[0], chunks[1], chunks[2], chunks[3],
+                          scale);
+      }
+      for (const LongChunk& c : long_chunks) long_chunk_attention(attn, q, k, v, kv_caches[l], c);
       const at::Tensor o = linear(attn.view({tokens, q_size}), w.o);
       fused_add_rms_norm(h, o, residual, w.post_norm, eps_);  // residual += o
       const at::Tensor gu = linear(h, w.gate_up);

@@ -13,6 +13,14 @@ void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos_sin);
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                      const at::Tensor& context_lens, double scale);
+// paged_attention's and prefill_attention's checks of the shared arguments (int64 tables,
+// starts and lengths, int32 context lengths).
+void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
+                            const at::Tensor& query_lens, const at::Tensor& context_lens);
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                       const at::Tensor& context_lens, double scale);
 void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias, bool use_amx);
 

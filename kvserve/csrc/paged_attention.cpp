@@ -327,9 +327,11 @@ Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Te
   return p;
 }
 
-void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-                  const at::Tensor& context_lens) {
+}  // namespace
+
+void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
+                            const at::Tensor& query_lens, const at::Tensor& context_lens) {
   for (const at::Tensor* t : {&out, &q, &k_cache, &v_cache, &tables, &query_start, &query_lens, &context_lens})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: all tensors must be on the CPU");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [rows, heads, head_dim]");
@@ -354,6 +356,8 @@ void check_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& 
     TORCH_CHECK(ctx[s] <= tables.size(1) * k_cache.size(1), "sequence ", s, ": context exceeds its block table");
   }
 }
+
+namespace {
 
 // The head dims compiled in (each is a template instance); other models use the PyTorch path.
 using HeadDims = std::integer_sequence<int, 16, 32, 64, 80, 96, 128, 256>;
@@ -381,7 +385,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const at::Tensor starts = query_start.to(at::kLong).contiguous();
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
-  check_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
+  check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
   const std::vector<Item> items = make_items(qlens.const_data_ptr<int64_t>(), lens.size(0));
   auto launch = [&](auto zero) {
     using T = decltype(zero);

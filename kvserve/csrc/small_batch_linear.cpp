@@ -18,14 +18,11 @@
 
 #include <string>
 
+#include "amx.h"
 #include "ops.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
-#endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 namespace kvserve {
@@ -94,7 +91,7 @@ TileFn pick(int mr) {
 
 #endif
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if KVSERVE_AMX
 
 // AMX: tiles 0-3 hold the fp32 sums of 4 groups (up to 16 rows x 16 columns each), tile 4
 // a 16-row x 32-K slice of x, tiles 5/6 a group's 16 K pairs x 16 columns, which is
@@ -102,26 +99,13 @@ TileFn pick(int mr) {
 constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxK = 32;
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 void configure_tiles(int64_t m) {
   TileConfig cfg;
   for (int t = 0; t < 7; ++t) {
     cfg.colsb[t] = 64;
     cfg.rows[t] = static_cast<uint8_t>(t <= 4 ? m : kAmxRows);
   }
-  _tile_loadconfig(&cfg);
-}
-
-bool amx_permitted() {  // Linux hands out AMX state only to processes that ask (once)
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
+  load_tile_config(cfg);
 }
 
 #define KVSERVE_AMX_GROUP(g, tb)                                                    \
@@ -182,7 +166,7 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if KVSERVE_AMX
   if (use_amx) {
     TORCH_CHECK(x.size(1) % kAmxK == 0 && amx_permitted(), "AMX path needs K % 32 == 0 and AMX permission");
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
@@ -219,7 +203,7 @@ namespace {
 // "amx" where AMX is compiled in and Linux grants it, "avx512_bf16" where only the dot
 // products are, "" where this kernel cannot run (kvserve then keeps oneDNN for all sizes).
 std::string small_batch_linear_isa() {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if KVSERVE_AMX
   if (amx_permitted()) return "amx";
 #endif
 #if defined(__AVX512BF16__)

@@ -16,7 +16,7 @@ import torch
 
 from kvserve.model import cpu_ext
 from kvserve.model.attention import AttentionMetadata
-from kvserve.model.cpu_attention import CpuPagedAttention, kernel_batch
+from kvserve.model.cpu_attention import CpuPagedAttention
 from kvserve.model.layer_ops import CpuLayerOps
 
 if TYPE_CHECKING:
@@ -58,11 +58,11 @@ class FusedDecoderLayers:
         self, x: torch.Tensor, cos_sin: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's MLP output, residual), as the Python layer loop returns them."""
-        batch = kernel_batch(meta, self.backend.max_prefill_queries)
+        batch = self.backend.plan(meta, x.dtype, kv_caches[0].shape[2])
         long, no_bias = batch.torch_prefills, x.new_empty(0)
         return self.loop.forward(
             x, cos_sin, kv_caches, meta.slot_mapping,
-            batch.block_tables, batch.query_start, batch.query_lens, batch.context_lens,
+            batch.paged.args(), [] if batch.chunks is None else batch.chunks.args(),
             [s.query_start for s in long], [s.query_len for s in long], [s.context_len for s in long],
             [s.block_table for s in long],
             [no_bias if s.mask is None else s.attn_bias(self.groups, x.dtype) for s in long],
