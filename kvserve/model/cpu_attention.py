@@ -116,11 +116,12 @@ def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int, prefill_kern
     else:
         short = [s for s in meta.prefills if s.query_len <= max_prefill_queries]
         long = [s for s in meta.prefills if s.query_len > max_prefill_queries]
+    context_lens = meta.decode_context_lens[:nd].tolist() + [s.context_len for s in short]
     paged = KernelRows(
         block_tables=_stack_tables(meta.decode_block_tables[:nd], [s.block_table for s in short]),
         query_start=torch.tensor(list(range(nd)) + [s.query_start for s in short], dtype=torch.int64),
         query_lens=torch.tensor([1] * nd + [s.query_len for s in short], dtype=torch.int64),
-        context_lens=torch.tensor(meta.decode_context_lens[:nd].tolist() + [s.context_len for s in short], dtype=torch.int32),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32),
     )
     chunks = _chunk_rows(meta.prefills) if prefill_kernel and meta.prefills else None
     return KernelBatch(paged, chunks, long)
