@@ -37,12 +37,25 @@ inline std::pair<fVec, fVec> load2_f32(const T* p) {
   }
 }
 
+// With AVX512-BF16 the CPU rounds fp32 to bf16 itself (to nearest even, as PyTorch's
+// casts do; it flushes denormals, ~1e-38, to zero), in one instruction instead of ~10.
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define KVSERVE_NATIVE_BF16 1
+inline __m512i to_bf16(const fVec& a, const fVec& b) {
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+}
+#endif
+
 // Store 2W fp32 lanes as T, rounding to nearest even as PyTorch's casts do.
 template <typename T>
 inline void store2_f32(T* p, const fVec& a, const fVec& b) {
   if constexpr (std::is_same_v<T, float>) {
     a.store(p);
     b.store(p + W);
+#if KVSERVE_NATIVE_BF16
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    _mm512_storeu_si512(p, to_bf16(a, b));
+#endif
   } else {
     at::vec::convert_from_float<T>(a, b).store(p);
   }
@@ -53,6 +66,12 @@ template <typename T>
 inline std::pair<fVec, fVec> round2_to(const fVec& a, const fVec& b) {
   if constexpr (std::is_same_v<T, float>) {
     return {a, b};
+#if KVSERVE_NATIVE_BF16
+  } else if constexpr (std::is_same_v<T, at::BFloat16>) {
+    const __m512i h = to_bf16(a, b);  // widening bf16 back to fp32 is a 16-bit shift
+    return {fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16))),
+            fVec(_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16)))};
+#endif
   } else {
     auto [x, y] = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
     return {x, y};
