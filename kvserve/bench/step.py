@@ -124,8 +124,10 @@ def run_step_bench(
     engine: LLMEngine, roofline: Roofline, batch_size: int, context_len: int, steps: int, with_profile: bool, seed: int
 ) -> StepResult:
     warmup, profiled = 3, steps if with_profile else 0
-    # requests admitted early decode while later ones prefill: leave room for those steps too
-    fill_steps = -(-batch_size * context_len // engine.config.max_num_batched_tokens) + 1
+    # requests admitted early decode while later ones prefill, and their decodes take part
+    # of each step's token budget: leave room for all of those steps (a bound, not exact)
+    budget = max(1, engine.config.max_num_batched_tokens - batch_size)
+    fill_steps = 2 * -(-batch_size * context_len // budget) + 1
     ids = fill_decode_batch(engine, batch_size, context_len, fill_steps + warmup + steps + profiled, seed)
     time_decode_steps(engine, batch_size, warmup)
     step_s = statistics.median(time_decode_steps(engine, batch_size, steps))
