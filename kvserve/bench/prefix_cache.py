@@ -45,11 +45,13 @@ class PrefixBenchResult:
     ttft_mean_s: float
     ttft_p90_s: float
     ttft_later_turns_mean_s: float | None  # multiturn: turns 2 and later
+    ttft_later_turns_p50_s: float | None
     wall_time_s: float
     total_tok_per_s: float
     prefill_computed_vs_off: float | None = None
     ttft_mean_speedup_vs_off: float | None = None
     ttft_later_turns_speedup_vs_off: float | None = None
+    ttft_later_turns_p50_speedup_vs_off: float | None = None
     throughput_vs_off: float | None = None
 
     def compare_to(self, off: PrefixBenchResult) -> None:
@@ -57,6 +59,8 @@ class PrefixBenchResult:
         self.ttft_mean_speedup_vs_off = off.ttft_mean_s / self.ttft_mean_s
         if self.ttft_later_turns_mean_s and off.ttft_later_turns_mean_s:
             self.ttft_later_turns_speedup_vs_off = off.ttft_later_turns_mean_s / self.ttft_later_turns_mean_s
+        if self.ttft_later_turns_p50_s and off.ttft_later_turns_p50_s:
+            self.ttft_later_turns_p50_speedup_vs_off = off.ttft_later_turns_p50_s / self.ttft_later_turns_p50_s
         self.throughput_vs_off = self.total_tok_per_s / off.total_tok_per_s
 
 
@@ -142,6 +146,7 @@ def _summarize(
         ttft_mean_s=statistics.fmean(ttfts),
         ttft_p90_s=statistics.quantiles(ttfts, n=10)[-1] if len(ttfts) > 1 else ttfts[0],
         ttft_later_turns_mean_s=statistics.fmean(later) if later else None,
+        ttft_later_turns_p50_s=statistics.median(later) if later else None,
         wall_time_s=wall,
         total_tok_per_s=(prompt + output) / wall,
     )
@@ -159,7 +164,8 @@ def print_table(results: list[PrefixBenchResult]) -> None:
         ("hit rate", lambda r: f"{r.hit_rate:.1%}"),
         ("TTFT mean (s)", lambda r: _with_ratio(f"{r.ttft_mean_s:.3f}", r.ttft_mean_speedup_vs_off, "faster")),
         ("TTFT p90 (s)", lambda r: f"{r.ttft_p90_s:.3f}"),
-        ("TTFT turns 2+ (s)", lambda r: _later(r)),
+        ("TTFT turns 2+ mean (s)", lambda r: _later(r.ttft_later_turns_mean_s, r.ttft_later_turns_speedup_vs_off)),
+        ("TTFT turns 2+ p50 (s)", lambda r: _later(r.ttft_later_turns_p50_s, r.ttft_later_turns_p50_speedup_vs_off)),
         ("total tok/s", lambda r: _with_ratio(f"{r.total_tok_per_s:.1f}", r.throughput_vs_off)),
         ("wall (s)", lambda r: f"{r.wall_time_s:.1f}"),
     ]
@@ -168,10 +174,8 @@ def print_table(results: list[PrefixBenchResult]) -> None:
     Console().print(table)
 
 
-def _later(r: PrefixBenchResult) -> str:
-    if r.ttft_later_turns_mean_s is None:
-        return "-"
-    return _with_ratio(f"{r.ttft_later_turns_mean_s:.3f}", r.ttft_later_turns_speedup_vs_off, "faster")
+def _later(seconds: float | None, speedup: float | None) -> str:
+    return "-" if seconds is None else _with_ratio(f"{seconds:.3f}", speedup, "faster")
 
 
 def _with_ratio(value: object, ratio: float | None, word: str = "x") -> str:
