@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kRows = 16;     // folded query rows per tile
 constexpr int64_t kPage = 16;     // keys per A tile of K: one page (or a 16-key part of one)
 constexpr int64_t kStep = 32;     // keys per online-softmax step: the K dim of one P V product
-constexpr int64_t kRowTiles = 4;  // row tiles per work item; they share each step's packed V
+constexpr int64_t kRowTiles = 8;  // row tiles per work item; they share each step's packed V and K/V reads
 constexpr int64_t kMaxHeadDim = 256;
 
 struct Problem {
@@ -245,11 +245,27 @@ void store_rows(const Problem& p, const Item& it, int64_t row0, const RowTile& r
   }
 }
 
+// Ask for the K and V rows of keys [t0, t0 + 32) while the current step is computed:
+// the cached prefix sits in random pages, out of the hardware prefetcher's sight.
+void prefetch_step(const Problem& p, const Item& it, int64_t t0) {
+  const int64_t end = std::min<int64_t>(t0 + kStep, p.context_lens[it.seq]);
+  for (int64_t t = t0; t < end; t += kPage) {
+    const int64_t block = p.tables[it.seq * p.table_stride + t / p.block_size];
+    const int64_t first = block * p.c_block + (t % p.block_size) * p.c_token + it.head * p.c_head;
+    for (int64_t j = 0; j < std::min(kPage, end - t); ++j)
+      for (int64_t d = 0; d < p.head_dim; d += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.k + first + j * p.c_token + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p.v + first + j * p.c_token + d), _MM_HINT_T1);
+      }
+  }
+}
+
 void attend_item(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t ntiles = (it.rows + kRows - 1) / kRows;
   for (int64_t t = 0; t < ntiles; ++t) load_row_tile(p, it, it.row0 + t * kRows, sc.tiles[t]);
   const int64_t keys = sc.tiles[ntiles - 1].max_limit;
   for (int64_t t0 = 0; t0 < keys; t0 += kStep) {
+    prefetch_step(p, it, t0 + kStep);
     pack_values(p, it, t0, sc);
     for (int64_t t = 0; t < ntiles; ++t) {
       RowTile& rt = sc.tiles[t];
