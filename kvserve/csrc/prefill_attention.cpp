@@ -61,7 +61,7 @@ struct Item {
   int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
 };
 
-// Tiles: 0-1 S^T of a step's two pages, 2 K rows, 3 Q^T, 4 O, 5 P, 6 packed V; all 16 x 64 B.
+// Tiles: 0 S^T of a page, 2 K rows, 3 Q^T, 4 O, 5 P, 6 packed V; all 16 x 64 B (1 unused).
 void configure_tiles() {
   TileConfig cfg;
   for (int t = 0; t < 7; ++t) {
