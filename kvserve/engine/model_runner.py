@@ -115,10 +115,7 @@ class ModelRunner:
 
 def _prefill_seq(query_start: int, start: int, n: int, block_table: torch.Tensor, bs: int) -> PrefillSeq:
     end = start + n
-    mask = None
-    if start:  # a cached prefix (earlier chunk): query i sees keys up to start + i
-        mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
-    return PrefillSeq(query_start, n, end, block_table[: -(-end // bs)], mask)
+    return PrefillSeq(query_start, n, end, block_table[: -(-end // bs)])
 
 
 def _decode_tensors(tables: list[list[int]], lens: list[int], bs: int) -> dict[str, torch.Tensor]:
@@ -135,5 +132,4 @@ def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetada
     meta.decode_mask = meta.decode_mask.to(device)
     for seq in meta.prefills:
         seq.block_table = seq.block_table.to(device)
-        seq.mask = None if seq.mask is None else seq.mask.to(device)
     return meta

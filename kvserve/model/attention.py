@@ -24,17 +24,25 @@ class PrefillSeq:
     query_len: int
     context_len: int  # cached prefix + new tokens
     block_table: torch.Tensor  # [ceil(context_len / block_size)] physical block ids
-    mask: torch.Tensor | None  # [query_len, context_len] bool; None: plain causal, no prefix
     _bias: torch.Tensor | None = field(default=None, repr=False)
 
+    @property
+    def cached_prefix(self) -> bool:
+        """Tokens before the chunk are in the pool already (an earlier chunk, a cache hit)."""
+        return self.context_len > self.query_len
+
     def attn_bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
-        """`mask` as an additive bias for `groups` query heads folded into the rows
-        ([groups * query_len, context_len]); built once, then shared by every layer."""
+        """The causal mask after a cached prefix (query i sees keys up to context_len -
+        query_len + i) as an additive bias for `groups` query heads folded into the rows
+        ([groups * query_len, context_len]); built on first use (only the SDPA path needs
+        it), then shared by every layer."""
         rows = groups * self.query_len
         if self._bias is None or self._bias.dtype != dtype or self._bias.shape[0] != rows:
-            assert self.mask is not None, "a plain causal chunk has no bias"
-            bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._bias = bias.masked_fill_(~self.mask, float("-inf")).repeat(groups, 1)
+            device = self.block_table.device
+            last = torch.arange(self.context_len - self.query_len, self.context_len, device=device)
+            hidden = torch.arange(self.context_len, device=device).unsqueeze(0) > last.unsqueeze(1)
+            bias = torch.zeros(hidden.shape, dtype=dtype, device=device)
+            self._bias = bias.masked_fill_(hidden, float("-inf")).repeat(groups, 1)
         return self._bias
 
 
@@ -111,7 +119,7 @@ class TorchAttention:
     ) -> torch.Tensor:
         # 4-D inputs: with 3-D ones SDPA takes its slow math path instead of the flash kernel
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if seq.mask is None:  # no cached prefix: the new K/V are the whole context
+        if not seq.cached_prefix:  # the new K/V are the whole context
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
             return o[0].transpose(0, 1)

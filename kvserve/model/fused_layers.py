@@ -65,7 +65,7 @@ class FusedDecoderLayers:
             batch.paged.args(), [] if batch.chunks is None else batch.chunks.args(),
             [s.query_start for s in long], [s.query_len for s in long], [s.context_len for s in long],
             [s.block_table for s in long],
-            [no_bias if s.mask is None else s.attn_bias(self.groups, x.dtype) for s in long],
+            [s.attn_bias(self.groups, x.dtype) if s.cached_prefix else no_bias for s in long],
         )  # fmt: skip
 
 
