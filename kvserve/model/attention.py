@@ -132,4 +132,4 @@ class TorchAttention:
         keys = gather_kv(kv_cache[0], seq.block_table)[:, : seq.context_len].unsqueeze(0)
         values = gather_kv(kv_cache[1], seq.block_table)[:, : seq.context_len].unsqueeze(0)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.attn_bias(groups, q.dtype))
-        return o.view(num_heads, n, dim).transpose(0, 1)
+        return o.reshape(num_heads, n, dim).transpose(0, 1)  # CUDA SDPA may return other strides
