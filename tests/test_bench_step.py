@@ -44,5 +44,6 @@ def test_step_bench_decodes_the_batch_and_frees_it(tiny_model_dir):
 
 
 def test_roofline_measures_positive_rates():
-    assert matmul_gflops(torch.float32, m=64, k=64, n=64, repeats=2) > 0
-    assert read_gb_per_s(size_bytes=1 << 20, repeats=2) > 0
+    cpu = torch.device("cpu")
+    assert matmul_gflops(torch.float32, cpu, m=64, k=64, n=64, repeats=2) > 0
+    assert read_gb_per_s(cpu, size_bytes=1 << 20, repeats=2) > 0

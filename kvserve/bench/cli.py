@@ -158,7 +158,7 @@ def cmd_step(args: argparse.Namespace) -> None:
         raise ValueError("--batch-sizes, --steps and --context-len must be >= 1")
     config = engine_config(args)
     engine = LLMEngine(replace(config, max_num_seqs=max(config.max_num_seqs, *args.batch_sizes)))
-    limits = roofline.measure(engine.dtype)
+    limits = roofline.measure(engine.dtype, engine.device)
     results = [
         step.run_step_bench(engine, limits, b, args.context_len, args.steps, args.profile, args.seed)
         for b in args.batch_sizes

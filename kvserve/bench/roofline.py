@@ -2,12 +2,14 @@
 
 A decode step at large batch is bounded by matmul throughput (about 2 FLOPs per weight
 per token); at batch 1 it is bounded by reading every weight once per step. Both are
-measured here, in the same process as the step they judge, so the ratio is fair.
+measured here, on the engine's device and in the same process as the step they judge,
+so the ratio is fair.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,29 +20,37 @@ class Roofline:
     dtype: str
     matmul_gflops: float  # best of a few [m, k] x [k, n] matmuls, GFLOP/s
     read_gb_per_s: float  # best of a few full reads of a tensor much larger than the caches
+    device: str = "cpu"
 
 
-def _best_seconds(fn, repeats: int) -> float:
-    fn()  # warm-up: thread pool, allocator, oneDNN primitive cache
+def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    fn()  # warm-up: thread pool, allocator, oneDNN primitive cache, cuBLAS handle
+    sync()
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
+        sync()
         best = min(best, time.perf_counter() - start)
     return best
 
 
-def matmul_gflops(dtype: torch.dtype, m: int = 512, k: int = 2048, n: int = 2048, repeats: int = 10) -> float:
-    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-    seconds = _best_seconds(lambda: torch.mm(a, b), repeats)
+def matmul_gflops(dtype: torch.dtype, device: torch.device, m: int, k: int, n: int, repeats: int = 10) -> float:
+    a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+    seconds = _best_seconds(lambda: torch.mm(a, b), repeats, device)
     return 2 * m * k * n / seconds / 1e9
 
 
-def read_gb_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    x = torch.ones(size_bytes // 4, dtype=torch.float32)
-    seconds = _best_seconds(lambda: x.sum(), repeats)
+def read_gb_per_s(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    x = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    seconds = _best_seconds(lambda: x.sum(), repeats, device)
     return size_bytes / seconds / 1e9
 
 
-def measure(dtype: torch.dtype) -> Roofline:
-    return Roofline(str(dtype).removeprefix("torch."), matmul_gflops(dtype), read_gb_per_s())
+def measure(dtype: torch.dtype, device: torch.device) -> Roofline:
+    # a GPU needs a far larger product than a CPU to reach its peak (launch cost, thousands of cores)
+    m, k, n = (8192, 8192, 8192) if device.type == "cuda" else (512, 2048, 2048)
+    return Roofline(
+        str(dtype).removeprefix("torch."), matmul_gflops(dtype, device, m, k, n), read_gb_per_s(device), device.type
+    )

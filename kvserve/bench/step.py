@@ -153,7 +153,7 @@ def run_step_bench(
 def print_table(results: list[StepResult], roofline: Roofline) -> None:
     console = Console()
     console.print(
-        f"roofline ({roofline.dtype}): matmul {roofline.matmul_gflops:.0f} GFLOP/s, "
+        f"roofline ({roofline.dtype}, {roofline.device}): matmul {roofline.matmul_gflops:.0f} GFLOP/s, "
         f"memory read {roofline.read_gb_per_s:.1f} GB/s"
     )
     table = Table(title="decode step")
