@@ -61,6 +61,7 @@ class EngineConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # default: the model's context length
+    prefill_first: bool = False  # SGLang's policy: new prompts' prefills get steps of their own
     enable_prefix_caching: bool = True
     prefix_cache: str = "radix"  # "radix" (RadixAttention tree) or "hash" (chained block hashes)
     seed: int = 0

@@ -63,3 +63,12 @@ def test_chunked_prefill_equals_one_shot(reference, smollm2_dir):
     llm = LLM(model=str(smollm2_dir), dtype="float32", kv_cache_memory="512MiB", max_num_batched_tokens=32)
     assert outputs(llm, prompts) == alone
     assert llm.llm_engine.stats.num_steps > len(prompts[-1]) // 32
+
+
+def test_prefill_first_keeps_outputs(reference, smollm2_dir):
+    _, prompts, alone = reference
+    # 4 seats for 16 requests: new prompts keep arriving while others decode, and each
+    # takes a step of its own
+    llm = LLM(model=str(smollm2_dir), dtype="float32", kv_cache_memory="512MiB", max_num_seqs=4, prefill_first=True)
+    assert outputs(llm, prompts) == alone
+    assert llm.llm_engine.kv.pool.num_used_blocks == 0

@@ -16,9 +16,14 @@ TOKEN = 7  # what the fake model samples unless told otherwise
 
 
 def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32, max_model_len: int = 256
+    num_blocks: int = 64,
+    block_size: int = 4,
+    max_num_seqs: int = 8,
+    budget: int = 32,
+    max_model_len: int = 256,
+    prefill_first: bool = False,
 ) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len)
+    config = SchedulerConfig(max_num_seqs, budget, max_model_len, prefill_first)
     return Scheduler(config, KVCacheManager(num_blocks, block_size))
 
 
@@ -139,6 +144,42 @@ def test_decodes_go_before_prefill_of_new_requests() -> None:
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 15)]
     out = step(s)
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 15)]
+
+
+def run_step(s: Scheduler) -> list[tuple[Request, int]]:
+    """One step without `step`'s checks (prefill_first holds decodes back on purpose)."""
+    out = s.schedule()
+    s.update_from_output(out, {x.request.seq_id: SampledToken(TOKEN) for x in out.scheduled if x.samples})
+    s.kv.pool.check_integrity()
+    return [(x.request, x.num_new_tokens) for x in out.scheduled]
+
+
+def test_prefill_first_gives_whole_new_prompts_a_step_of_their_own() -> None:
+    s = make_scheduler(budget=16, prefill_first=True)
+    a = make_request("a", 4, max_tokens=8)
+    s.add_request(a)
+    assert run_step(s) == [(a, 4)]
+    b, c = make_request("b", 6), make_request("c", 5)
+    s.add_request(b)
+    s.add_request(c)
+    assert run_step(s) == [(b, 6), (c, 5)]  # a's decode waits one step
+    assert run_step(s) == [(a, 1), (b, 1), (c, 1)]
+
+
+def test_prefill_first_leaves_long_prompts_to_chunk_after_the_decodes() -> None:
+    s = make_scheduler(budget=16, prefill_first=True)
+    a = make_request("a", 4, max_tokens=8)
+    s.add_request(a)
+    run_step(s)
+    b, c = make_request("b", 40), make_request("c", 5)
+    s.add_request(b)
+    s.add_request(c)
+    # b does not fit a step: it is admitted as usual, after a's decode; c waits its turn
+    assert run_step(s) == [(a, 1), (b, 15)]
+    # while b is part-way, no step of new prompts only: decodes go first
+    assert run_step(s) == [(a, 1), (b, 15)]
+    assert run_step(s) == [(a, 1), (b, 10), (c, 5)]
+    assert run_step(s) == [(a, 1), (b, 1), (c, 1)]
 
 
 def test_fork_children_are_not_starved_by_a_chunked_prefill() -> None:

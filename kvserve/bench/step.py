@@ -36,7 +36,7 @@ FORWARD_CATEGORIES = {
         "mkldnn::_linear_pointwise",
         "kvserve::small_batch_linear",
     ),
-    "attention": ("kvserve::paged_attention", "aten::scaled_dot_product_attention"),
+    "attention": ("kvserve::paged_attention", "kvserve::prefill_attention", "aten::scaled_dot_product_attention"),
     "kv_write": ("aten::index_copy_",),
 }
 

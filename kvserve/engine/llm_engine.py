@@ -57,7 +57,8 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, make_prefix_cache(cache_kind, config.block_size))
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), self.kv
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
+            self.kv,
         )
         kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device)
         self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed))

@@ -4,7 +4,9 @@ Every request carries `num_computed_tokens`; a step gives each scheduled request
 some of its remaining tokens, under a token budget. There are no separate prefill
 and decode phases: a decode is a request with one token left, a chunked prefill
 one with many. Running requests go first (in admission order), then waiting ones
-are admitted while the budget, the sequence cap and the block pool allow. When
+are admitted while the budget, the sequence cap and the block pool allow (with
+`prefill_first`, SGLang's policy, a step that can admit new prompts runs only
+their prefills, and the running requests wait for the next step). When
 blocks run out, the most recently admitted running request is preempted: its
 blocks are freed and it goes back to the head of the queue to be recomputed.
 """
@@ -25,6 +27,7 @@ class SchedulerConfig:
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
     max_model_len: int = 8192
+    prefill_first: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -105,9 +108,15 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(scheduled=[])
-        budget = self._schedule_running(budget, out)
-        if not out.preempted:  # under memory pressure, admit nobody new this step
-            self._schedule_waiting(budget, out)
+        if self.config.prefill_first and not self._chunk_in_progress():
+            # a new prompt's first token then waits for its prefill alone, not for the
+            # decodes of every running request too; those wait one step instead. Whole
+            # prompts only, so a chunked one still comes last and never delays a decode.
+            self._schedule_waiting(budget, out, whole_prompts=True)
+        if not out.scheduled:
+            budget = self._schedule_running(budget, out)
+            if not out.preempted:  # under memory pressure, admit nobody new this step
+                self._schedule_waiting(budget, out)
         self._fork_samples(out)
         out.block_copies = self.kv.take_pending_copies()
         return out
@@ -128,7 +137,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, budget: int, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, budget: int, out: SchedulerOutput, whole_prompts: bool = False) -> None:
         while self.waiting and budget > 0:
             req = self.waiting[0]
             if self._num_seats() + self._seats(req) > self.config.max_num_seqs:
@@ -136,6 +145,8 @@ class Scheduler:
             hit = self.kv.match_prefix(req)
             cached = hit.num_blocks * self.kv.block_size if hit else 0
             n = min(req.num_tokens - cached, budget)
+            if whole_prompts and n < req.num_tokens - cached:
+                break
             if not self.kv.allocate_slots(req, n, hit):
                 break
             self.waiting.popleft()
@@ -146,6 +157,10 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _chunk_in_progress(self) -> bool:
+        """A running prompt is part-way through its prefill (only ever the last one)."""
+        return bool(self.running) and self.running[-1].num_tokens - self.running[-1].num_computed_tokens > 1
 
     def _record_prefix_hit(self, req: Request, cached: int) -> None:
         req.num_computed_tokens = cached

@@ -16,6 +16,8 @@ _ENGINE_HELP = {
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",
     "prefix_cache": "radix (RadixAttention tree) | hash (chained block hashes)",
+    "prefill_first": "steps that admit new prompts run only their prefills; decodes wait a step "
+    "(SGLang's default: lower time to first token, one longer gap between tokens)",
 }
 
 
@@ -24,7 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in fields(EngineConfig):
         flag = "--" + f.name.replace("_", "-")
         if f.type == "bool":  # --enable-prefix-caching / --no-enable-prefix-caching, as in vLLM
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=_ENGINE_HELP.get(f.name)
+            )
             continue
         kind = int if f.type in ("int", "int | None") else str
         parser.add_argument(flag, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
