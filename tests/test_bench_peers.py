@@ -258,6 +258,13 @@ def test_markdown_from_canned_results():
     assert "matmul 400 GFLOP/s, memory read 45.0 GB/s" in md and "| 64 | 10.00 | 6400.0 |" in md
     assert "- vLLM-cpu serve-c1: exit status 1; Traceback" in md
     assert "- llama-server: not installed (x missing)" in md
+    assert "(kvserve: smollm2-135m (default), bfloat16; vLLM bf16" in md
+
+
+def test_markdown_names_a_gpu_run_device():
+    report = canned_report()
+    report["runs"][0]["result"]["device"] = "cuda"
+    assert "(kvserve: smollm2-135m (default), bfloat16 on cuda; vLLM bf16" in render_markdown(report)
 
 
 def test_png_and_files_from_canned_results(tmp_path):

@@ -158,9 +158,11 @@ def report_peers(report: dict[str, Any]) -> tuple[str, ...]:
 
 
 def kvserve_dtype(results: Results) -> str:
-    for run, key in (("offline-random", "dtype"), ("step", "roofline.dtype")):
-        if value := dig(results, "kvserve", run, key):
-            return str(value)
+    """kvserve's dtype, and its device where that was not the CPU (a GPU run)."""
+    for run, prefix in (("offline-random", ""), ("step", "roofline.")):
+        if value := dig(results, "kvserve", run, prefix + "dtype"):
+            device = dig(results, "kvserve", run, prefix + "device")
+            return f"{value} on {device}" if device and device != "cpu" else str(value)
     return "dtype not reported"
 
 
