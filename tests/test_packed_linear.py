@@ -26,7 +26,7 @@ def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40, 64])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 25, 32, 40, 64])
 @pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (64, 64, False), (70, 128, True)])
 def test_small_batch_kernel_matches_f_linear(isa: str, rows: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n)
