@@ -64,6 +64,16 @@ struct Item {
   int64_t seq, first, last;  // query rows [first, last) of seq, as indices among its new tokens
 };
 
+// bf16 caches on CPUs with AVX512-BF16 take the scores with the keys along the lanes
+// (score_tile_bf16 below); everything else the generic fp32 path.
+template <typename T, int D>
+constexpr bool kKeyLanes =
+#if KVSERVE_NATIVE_BF16
+    std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+#else
+    false;
+#endif
+
 // Per-thread buffers, sized for the largest item: rows = kQueryTile * group.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha;
@@ -75,8 +85,9 @@ struct Scratch {
         limit(rows), keys(kTileTokens), next_keys(kTileTokens) {}
 };
 
-// Scaled fp32 copies of the item's queries (row r = query (r / group), head r % group
-// of the group), zeroed state, and each row's causal limit.
+// The item's queries (row r = query (r / group), head r % group of the group): scaled
+// fp32 copies, or the stored bf16 for the key-lanes path; zeroed state, and each row's
+// causal limit.
 template <typename T, int D>
 int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc) {
   const int64_t qlen = p.query_lens[it.seq], ctx = p.context_lens[it.seq];
@@ -85,8 +96,11 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
     const T* row = p.q + (p.query_start[it.seq] + i) * p.q_row;
     for (int64_t g = 0; g < p.group; ++g, ++r) {
       const T* src = row + (h * p.group + g) * p.q_head;
-      for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
-      if constexpr (std::is_same_v<T, at::BFloat16>) std::memcpy(&sc.qb[r * D], src, D * sizeof(T));
+      if constexpr (kKeyLanes<T, D>) {
+        std::memcpy(&sc.qb[r * D], src, D * sizeof(T));
+      } else {
+        for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
+      }
       std::fill_n(&sc.acc[r * D], D, 0.f);
       sc.m[r] = kNegInf;
       sc.l[r] = 0.f;
@@ -143,88 +157,6 @@ void call_rows(int64_t nr, int64_t r0, F& f) {  // f<nr>(r0) for a runtime nr <=
 template <int MaxNR, typename F>
 void for_row_blocks(int64_t rows, F f) {
   for (int64_t r0 = 0; r0 < rows; r0 += MaxNR) call_rows<MaxNR>(std::min<int64_t>(MaxNR, rows - r0), r0, f);
-}
-
-// s[r, t] = q[r] . k[t] for rows [r0, r0 + NR).
-template <typename T, int D, int NR>
-void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
-  constexpr int NV = D / W;
-  fVec q[NR][NV];
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
-  for (int64_t t = 0; t < n; ++t) {
-    const T* key = p.k + sc.keys[t];
-    fVec k[NV];
-    for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
-    for (int i = 0; i < NR; ++i) {
-      fVec a = q[i][0] * k[0];
-      for (int j = 1; j < NV; ++j) a = at::vec::fmadd(q[i][j], k[j], a);
-      sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
-    }
-  }
-}
-
-template <typename T, int D>
-void score_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
-  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { score_rows<T, D, nr()>(p, n, r0, sc); });
-}
-
-// Hide keys a row may not see (causal limit) and the padding up to whole vectors.
-inline void mask_tile(int64_t t0, int64_t n, int64_t rows, Scratch& sc) {
-  const int64_t padded = (n + W - 1) / W * W;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = std::clamp(sc.limit[r] - t0, int64_t{0}, n);
-    std::fill(&sc.s[r * kTileTokens + visible], &sc.s[r * kTileTokens + padded], kNegInf);
-  }
-}
-
-// Online softmax: new running max, rescale factor for the old sum and output, and the
-// tile's probabilities (unnormalised) in place of its scores. Every row sees key 0 in
-// the first tile, so the running max is finite from then on (no inf - inf).
-inline void softmax_tile(int64_t n, int64_t rows, Scratch& sc) {
-  const int64_t padded = (n + W - 1) / W * W;
-  for (int64_t r = 0; r < rows; ++r) {
-    float* s = &sc.s[r * kTileTokens];
-    fVec mx(kNegInf);
-    for (int64_t t = 0; t < padded; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
-    const float m_new = std::max(sc.m[r], hmax(mx));
-    fVec sum(0.f), shift(m_new);
-    for (int64_t t = 0; t < padded; t += W) {
-      fVec e = (fVec::loadu(s + t) - shift).exp_u20();
-      e.store(s + t);
-      sum = sum + e;
-    }
-    sc.alpha[r] = std::exp(sc.m[r] - m_new);  // 0 on the first tile (m = -inf)
-    sc.l[r] = sc.l[r] * sc.alpha[r] + hsum(sum);
-    sc.m[r] = m_new;
-  }
-}
-
-// acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t] for rows [r0, r0 + NR).
-template <typename T, int D, int NR>
-void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
-  constexpr int NV = D / W;
-  fVec a[NR][NV];
-  for (int i = 0; i < NR; ++i) {
-    const fVec alpha(sc.alpha[r0 + i]);
-    for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
-  }
-  for (int64_t t = 0; t < n; ++t) {
-    const T* val = p.v + sc.keys[t];
-    fVec v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
-    for (int i = 0; i < NR; ++i) {
-      const fVec pt(sc.s[(r0 + i) * kTileTokens + t]);
-      for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
-    }
-  }
-  for (int i = 0; i < NR; ++i)
-    for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
-}
-
-template <typename T, int D>
-void accumulate_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
-  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows<T, D, nr()>(p, n, r0, sc); });
 }
 
 #if KVSERVE_NATIVE_BF16
@@ -318,6 +250,94 @@ void unpermute_acc(Scratch& sc, int64_t rows) {
 }
 #endif
 
+// s[r, t] = q[r] . k[t] for rows [r0, r0 + NR).
+template <typename T, int D, int NR>
+void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec q[NR][NV];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* key = p.k + sc.keys[t];
+    fVec k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
+    for (int i = 0; i < NR; ++i) {
+      fVec a = q[i][0] * k[0];
+      for (int j = 1; j < NV; ++j) a = at::vec::fmadd(q[i][j], k[j], a);
+      sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
+    }
+  }
+}
+
+template <typename T, int D>
+void score_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D>) return score_tile_bf16<D>(p, n, rows, sc);
+#endif
+  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { score_rows<T, D, nr()>(p, n, r0, sc); });
+}
+
+// Hide keys a row may not see (causal limit) and the padding up to whole vectors.
+inline void mask_tile(int64_t t0, int64_t n, int64_t rows, Scratch& sc) {
+  const int64_t padded = (n + W - 1) / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = std::clamp(sc.limit[r] - t0, int64_t{0}, n);
+    std::fill(&sc.s[r * kTileTokens + visible], &sc.s[r * kTileTokens + padded], kNegInf);
+  }
+}
+
+// Online softmax: new running max, rescale factor for the old sum and output, and the
+// tile's probabilities (unnormalised) in place of its scores. Every row sees key 0 in
+// the first tile, so the running max is finite from then on (no inf - inf).
+inline void softmax_tile(int64_t n, int64_t rows, Scratch& sc) {
+  const int64_t padded = (n + W - 1) / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = &sc.s[r * kTileTokens];
+    fVec mx(kNegInf);
+    for (int64_t t = 0; t < padded; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
+    const float m_new = std::max(sc.m[r], hmax(mx));
+    fVec sum(0.f), shift(m_new);
+    for (int64_t t = 0; t < padded; t += W) {
+      fVec e = (fVec::loadu(s + t) - shift).exp_u20();
+      e.store(s + t);
+      sum = sum + e;
+    }
+    sc.alpha[r] = std::exp(sc.m[r] - m_new);  // 0 on the first tile (m = -inf)
+    sc.l[r] = sc.l[r] * sc.alpha[r] + hsum(sum);
+    sc.m[r] = m_new;
+  }
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t] for rows [r0, r0 + NR).
+template <typename T, int D, int NR>
+void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec a[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    const fVec alpha(sc.alpha[r0 + i]);
+    for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const T* val = p.v + sc.keys[t];
+    fVec v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
+    for (int i = 0; i < NR; ++i) {
+      const fVec pt(sc.s[(r0 + i) * kTileTokens + t]);
+      for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
+}
+
+template <typename T, int D>
+void accumulate_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D>) return accumulate_tile_bf16<D>(p, n, rows, sc);
+#endif
+  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows<T, D, nr()>(p, n, r0, sc); });
+}
+
 template <typename T, int D>
 void store_output(const Problem<T>& p, const Item& it, int64_t h, const Scratch& sc) {
   int64_t r = 0;
@@ -359,24 +379,14 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
     } else if (then != nullptr) {
       fetch_tile<T, D>(p, *then, then_h, 0, sc.next_keys.data());
     }
-#if KVSERVE_NATIVE_BF16
-    if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) {
-      score_tile_bf16<D>(p, n, rows, sc);
-      mask_tile(t0, n, rows, sc);
-      softmax_tile(n, rows, sc);
-      accumulate_tile_bf16<D>(p, n, rows, sc);
-    } else  // NOLINT: the generic path below
-#endif
-    {
-      score_tile<T, D>(p, n, rows, sc);
-      mask_tile(t0, n, rows, sc);
-      softmax_tile(n, rows, sc);
-      accumulate_tile<T, D>(p, n, rows, sc);
-    }
+    score_tile<T, D>(p, n, rows, sc);
+    mask_tile(t0, n, rows, sc);
+    softmax_tile(n, rows, sc);
+    accumulate_tile<T, D>(p, n, rows, sc);
     std::swap(sc.keys, sc.next_keys);
   }
 #if KVSERVE_NATIVE_BF16
-  if constexpr (std::is_same_v<T, at::BFloat16> && D % 32 == 0) unpermute_acc<D>(sc, rows);
+  if constexpr (kKeyLanes<T, D>) unpermute_acc<D>(sc, rows);
 #endif
   store_output<T, D>(p, it, h, sc);
 }

@@ -131,13 +131,17 @@ void configure_pair_tiles(int64_t m2) {
 
 constexpr int64_t kAmxPrefetch = 4 * kAmxRows;  // lines ahead in each group's stream
 
-// One tile of 64 columns against m <= 16 rows of x (tiles configured for m rows).
-void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const float* bias,
-              at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n, int64_t m) {
+inline void zero_sum_tiles() {  // tiles 0-3: the fp32 sums, in both kernels
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
+}
+
+// One tile of 64 columns against m <= 16 rows of x (tiles configured for m rows).
+void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const float* bias,
+              at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n, int64_t m) {
+  zero_sum_tiles();
   for (int64_t kc = 0; kc < 2 * k_pairs / kAmxK; ++kc) {
     _tile_loadd(4, x + kc * kAmxK, x_stride * 2);
     KVSERVE_AMX_LOAD_B(0, 5);
@@ -167,10 +171,7 @@ void amx_tile_pair(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* 
   alignas(64) float sums[2][kTileGroups][kAmxRows][kGroupCols];
   const at::BFloat16* x1 = x + kAmxRows * x_stride;
   for (int half = 0; half < 2; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_sum_tiles();
     for (int64_t kc = 0; kc < 2 * k_pairs / kAmxK; ++kc) {
       _tile_loadd(4, x + kc * kAmxK, x_stride * 2);
       _tile_loadd(5, x1 + kc * kAmxK, x_stride * 2);
