@@ -93,8 +93,10 @@ def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
     c8, c1 = jobs["serve-c8"].argv, jobs["serve-c1"].argv
     assert c8[1] == str(tmp_path / "scripts" / "bench_client.py") and "--warmup" in c8
     assert c8[-4:] == ["--workload", "random", "-c", "8"] and c1[-4:] == ["-c", "1", "--seed", "100"]
-    kvserve_runs = [j.run for j in peers.client_jobs("kvserve", cfg, "http://127.0.0.1:9")]
-    assert kvserve_runs == ["serve-c8", "bench-serve-c8", "serve-c1", "shared-prefix"]
+    kvserve_jobs = {j.run: j for j in peers.client_jobs("kvserve", cfg, "http://127.0.0.1:9")}
+    assert list(kvserve_jobs) == ["serve-c8", "bench-serve-c8", "serve-c1", "shared-prefix"]
+    ours = kvserve_jobs["bench-serve-c8"].argv  # warmed up too, like bench_client.py's --warmup
+    assert ours[ours.index("--num-warmups") + 1] == ours[ours.index("--max-concurrency") + 1] == "8"
 
     argv, env = peers.server_argv("vllm", cfg, 8123)
     assert argv == ["bash", str(tmp_path / "scripts" / "start_vllm_server.sh")]

@@ -122,6 +122,34 @@ def test_multiturn_over_completions_needs_a_chat_template():
         asyncio.run(run_benchmark(ServeConfig(model="m"), sessions, tokenizer=None))
 
 
+
+def mock_client(handler):
+    return lambda config: httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def test_warmups_go_first_through_the_same_client_and_are_not_counted(monkeypatch):
+    bodies = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        bodies.append(json.loads(request.content))
+        return httpx.Response(200, text='data: {"choices": [{"text": "a"}]}\n\ndata: [DONE]\n\n')
+
+    monkeypatch.setattr(serve, "make_client", mock_client(handler))
+    config = ServeConfig(model="m", max_concurrency=2, num_warmups=3)
+    result = asyncio.run(run_benchmark(config, [Session(("one",), (5,)), Session(("two",), (5,))]))
+    assert [b["prompt"] for b in bodies[:3]] == [serve.WARMUP_PROMPT] * 3
+    assert [b["max_tokens"] for b in bodies[:3]] == [4, 4, 4]
+    assert sorted(b["prompt"] for b in bodies[3:]) == ["one", "two"]
+    assert result.metrics.completed == 2 and sorted(r.session for r in result.records) == [0, 1]
+
+
+def test_a_failed_warmup_stops_the_benchmark_and_bad_counts_are_refused(monkeypatch):
+    monkeypatch.setattr(serve, "make_client", mock_client(lambda request: httpx.Response(503, text="loading")))
+    with pytest.raises(RuntimeError, match="warm-up request failed: HTTP 503"):
+        asyncio.run(run_benchmark(ServeConfig(model="m", num_warmups=1), [Session(("x",), (2,))]))
+    with pytest.raises(ValueError, match="--num-warmups must be >= 0, got -1"):
+        asyncio.run(run_benchmark(ServeConfig(model="m", num_warmups=-1), [Session(("x",), (2,))]))
+
 # --- pure functions ----------------------------------------------------------------------------------
 
 

@@ -83,6 +83,7 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--request-rate", type=float, default=float("inf"), help="per second; inf: all at once")
     s.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps; 1: Poisson")
     s.add_argument("--max-concurrency", type=int, default=None, help="requests (conversations) in flight")
+    s.add_argument("--num-warmups", type=int, default=0, help="short requests sent before the clock starts")
     s.add_argument("--input-len", type=int, default=512, help="random workload: prompt tokens")
     s.add_argument("--output-len", type=int, default=128, help="random, shared-prefix: output tokens")
     s.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every request shares")
@@ -115,6 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         seed=args.seed,
         temperature=args.temperature,
         ignore_eos=args.ignore_eos,
+        num_warmups=args.num_warmups,
     )
     served = [n for c in cards if c["id"] == config.model for n in (c.get("root"), c["id"]) if n]
     tokenizer = serve.load_bench_tokenizer(args.tokenizer, served or [config.model])

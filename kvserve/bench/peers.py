@@ -221,6 +221,7 @@ def kvserve_serve_job(cfg: PeersConfig, url: str) -> Job:
     argv += ["--workload", "random"]
     argv += ["--num-prompts", str(cfg.num_requests), "--input-len", str(cfg.input_words)]
     argv += ["--output-len", str(cfg.max_tokens), "--max-concurrency", str(cfg.concurrency)]
+    argv += ["--num-warmups", str(cfg.concurrency)]  # bench_client.py warms up too (--warmup)
     return Job("kvserve", "bench-serve-c8", [*argv, "--disable-tqdm", "--output-json", str(out)], {}, out)
 
 
