@@ -147,18 +147,27 @@ class AsyncLLMEngine:
                 self._deliver(cmd, e)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
+        deliveries = []
         for out in outputs:
             add = self._streams.get(out.request_id)
             if add is not None:
-                self._deliver(add, out)
+                deliveries.append((add.outputs, out))
                 if out.finished:
                     del self._streams[out.request_id]
+        if deliveries:
+            assert self._loop is not None
+            self._loop.call_soon_threadsafe(_put_all, deliveries)
         for hook in self.on_step:
             hook(outputs)
 
     def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(add.outputs.put_nowait, item)
+
+
+def _put_all(deliveries: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:
+    for outputs, out in deliveries:
+        outputs.put_nowait(out)
 
 
 def _build_off_main_thread(config: EngineConfig) -> LLMEngine:
