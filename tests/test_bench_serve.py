@@ -122,7 +122,6 @@ def test_multiturn_over_completions_needs_a_chat_template():
         asyncio.run(run_benchmark(ServeConfig(model="m"), sessions, tokenizer=None))
 
 
-
 def mock_client(handler):
     return lambda config: httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
@@ -149,6 +148,7 @@ def test_a_failed_warmup_stops_the_benchmark_and_bad_counts_are_refused(monkeypa
         asyncio.run(run_benchmark(ServeConfig(model="m", num_warmups=1), [Session(("x",), (2,))]))
     with pytest.raises(ValueError, match="--num-warmups must be >= 0, got -1"):
         asyncio.run(run_benchmark(ServeConfig(model="m", num_warmups=-1), [Session(("x",), (2,))]))
+
 
 # --- pure functions ----------------------------------------------------------------------------------
 
