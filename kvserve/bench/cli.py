@@ -205,6 +205,9 @@ def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--input-words", type=int, default=d["input_words"], help="bench_client.py random: prompt words")
     p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="bench_client.py: output tokens")
     p.add_argument("--concurrency", type=int, default=d["concurrency"], help="serving and shared-prefix concurrency")
+    p.add_argument(
+        "--client-check-runs", type=int, default=d["client_check_runs"], help="runs of each client for the cross-check"
+    )
     p.add_argument("--conversations", type=int, default=d["conversations"], help="bench_client.py shared-prefix")
     p.add_argument("--system-words", type=int, default=d["system_words"], help="bench_client.py shared-prefix")
     p.add_argument("--question-words", type=int, default=d["question_words"], help="bench_client.py shared-prefix")

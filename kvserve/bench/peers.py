@@ -41,6 +41,7 @@ VLLM_OFFLINE_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
 }
 SINGLE_STREAM_SEED = 100  # not the c=8 run's prompts, which the server has cached by then
+CLIENT_CHECK_SEED = 200  # the cross-check's extra runs: prompts of their own, none cached yet
 STOP_GRACE_S = 30.0
 
 
@@ -62,6 +63,7 @@ class PeersConfig:
     input_words: int = 256
     max_tokens: int = 64
     concurrency: int = 8
+    client_check_runs: int = 3  # runs of each client, in turn, for the cross-check of kvserve bench serve
     conversations: int = 8  # bench_client.py shared-prefix workload
     system_words: int = 1024
     question_words: int = 32
@@ -73,6 +75,8 @@ class PeersConfig:
         unknown = set(self.engines) - set(ENGINES)
         if unknown or not self.engines:
             raise ValueError(f"--engines takes a comma-separated subset of {','.join(ENGINES)}, got {self.engines}")
+        if self.client_check_runs < 1:
+            raise ValueError(f"--client-check-runs must be >= 1, got {self.client_check_runs}")
         self.anchors = self.anchors or Path(os.environ.get("ANCHORS", DEFAULT_ANCHORS))
         self.anchors_dir = self.anchors_dir or default_anchors_dir()
 
@@ -207,22 +211,26 @@ def client_jobs(engine: str, cfg: PeersConfig, url: str) -> list[Job]:
     c = str(cfg.concurrency)
     jobs = [Job(engine, "serve-c8", [*client, "--workload", "random", "-c", c])]
     if engine == "kvserve":
-        jobs.append(kvserve_serve_job(cfg, url))
+        jobs.append(kvserve_serve_job(cfg, url, "bench-serve-c8"))
+        for i in range(1, cfg.client_check_runs):  # the two clients in turn, each run with prompts of its own
+            seed = ["--seed", str(CLIENT_CHECK_SEED + i)]
+            jobs.append(Job(engine, f"serve-c8-check{i}", [*client, "--workload", "random", "-c", c, *seed]))
+            jobs.append(kvserve_serve_job(cfg, url, f"bench-serve-c8-check{i}", seed))
     single = ["--workload", "random", "-c", "1", "--seed", str(SINGLE_STREAM_SEED)]
     jobs.append(Job(engine, "serve-c1", [*client, *single]))
     jobs.append(Job(engine, "shared-prefix", [*client, "--workload", "shared-prefix", "-c", c]))
     return jobs
 
 
-def kvserve_serve_job(cfg: PeersConfig, url: str) -> Job:
+def kvserve_serve_job(cfg: PeersConfig, url: str, run: str, seed: list[str] | None = None) -> Job:
     """`kvserve bench serve` on bench_client's random workload sizes: the two clients should agree within 5%."""
-    out = cfg.work / "kvserve-bench-serve-c8.json"
+    out = cfg.work / f"kvserve-{run}.json"
     argv = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", url]
     argv += ["--workload", "random"]
     argv += ["--num-prompts", str(cfg.num_requests), "--input-len", str(cfg.input_words)]
     argv += ["--output-len", str(cfg.max_tokens), "--max-concurrency", str(cfg.concurrency)]
     argv += ["--num-warmups", str(cfg.concurrency)]  # bench_client.py warms up too (--warmup)
-    return Job("kvserve", "bench-serve-c8", [*argv, "--disable-tqdm", "--output-json", str(out)], {}, out)
+    return Job("kvserve", run, [*argv, *(seed or []), "--disable-tqdm", "--output-json", str(out)], {}, out)
 
 
 def server_argv(engine: str, cfg: PeersConfig, port: int) -> tuple[list[str], dict[str, str]]:
