@@ -276,8 +276,7 @@ def client_check_section(results: Results) -> list[str]:
     medians are compared. One run of 32 requests is not enough: on 2 cores a client's own TTFT
     p50 moved by up to ~15% from run to run.
     """
-    ours = [r for run, r in sorted(results.items()) if run[0] == "kvserve" and run[1].startswith("bench-serve-c8")]
-    theirs = [r for run, r in sorted(results.items()) if run[0] == "kvserve" and run[1].startswith("serve-c8")]
+    ours, theirs = kvserve_runs(results, "bench-serve-c8"), kvserve_runs(results, "serve-c8")
     if not ours or not theirs:
         return []
     metrics = {  # name: (kvserve bench serve's values, bench_client.py's, digits)
@@ -298,6 +297,11 @@ def client_check_section(results: Results) -> list[str]:
     header = ["metric", "kvserve bench serve, runs", "bench_client.py, runs", "median, bench serve",
               "median, bench_client.py", "ratio of medians", f"within {CLIENT_AGREEMENT:.0%}"]  # fmt: skip
     return ["## Client cross-check (kvserve, random, c=8)", "", *table(header, rows)]
+
+
+def kvserve_runs(results: Results, prefix: str) -> list[dict[str, Any]]:
+    """kvserve's successful runs named `prefix` or `prefix-...`, in name order."""
+    return [results[key] for key in sorted(results) if key[0] == "kvserve" and key[1].startswith(prefix)]
 
 
 def median(values: list[float | None]) -> float | None:
