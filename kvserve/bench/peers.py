@@ -209,12 +209,13 @@ def client_jobs(engine: str, cfg: PeersConfig, url: str) -> list[Job]:
     client = [sys.executable, str(cfg.anchors_dir / "bench_client.py"), "--base-url", url, "--label", engine]
     client += ["--warmup", *sizes, *shared]
     c = str(cfg.concurrency)
-    jobs = [Job(engine, "serve-c8", [*client, "--workload", "random", "-c", c])]
+    random_c8 = [*client, "--workload", "random", "-c", c]
+    jobs = [Job(engine, "serve-c8", random_c8)]
     if engine == "kvserve":
         jobs.append(kvserve_serve_job(cfg, url, "bench-serve-c8"))
         for i in range(1, cfg.client_check_runs):  # the two clients in turn, each run with prompts of its own
             seed = ["--seed", str(CLIENT_CHECK_SEED + i)]
-            jobs.append(Job(engine, f"serve-c8-check{i}", [*client, "--workload", "random", "-c", c, *seed]))
+            jobs.append(Job(engine, f"serve-c8-check{i}", [*random_c8, *seed]))
             jobs.append(kvserve_serve_job(cfg, url, f"bench-serve-c8-check{i}", seed))
     single = ["--workload", "random", "-c", "1", "--seed", str(SINGLE_STREAM_SEED)]
     jobs.append(Job(engine, "serve-c1", [*client, *single]))

@@ -416,17 +416,11 @@ void run(const Problem<T>& p, const std::vector<Item>& items) {
     int64_t i = claim();
     if (i < n_items) fetch_tile<T, D>(p, items[i], 0, 0, sc.keys.data());
     while (i < n_items) {
-      int64_t ni = n_items;
-      for (int64_t h = 0; h < p.kv_heads; ++h) {  // each head's first keys are prefetched by the one before
-        const Item* then = &items[i];
-        int64_t then_h = h + 1;
-        if (then_h == p.kv_heads) {
-          ni = claim();  // claimed one ahead, so its first keys can be prefetched
-          then = ni < n_items ? &items[ni] : nullptr;
-          then_h = 0;
-        }
-        attend_item<T, D>(p, items[i], h, then, then_h, sc);
-      }
+      // each head's pass prefetches the first keys of the next head, the last one those of
+      // the next item, claimed one ahead for that
+      for (int64_t h = 0; h + 1 < p.kv_heads; ++h) attend_item<T, D>(p, items[i], h, &items[i], h + 1, sc);
+      const int64_t ni = claim();
+      attend_item<T, D>(p, items[i], p.kv_heads - 1, ni < n_items ? &items[ni] : nullptr, 0, sc);
       i = ni;
     }
   });

@@ -147,7 +147,7 @@ class AsyncLLMEngine:
                 self._deliver(cmd, e)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        deliveries = []
+        deliveries: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]] = []
         for out in outputs:
             add = self._streams.get(out.request_id)
             if add is not None:
