@@ -6,11 +6,11 @@
 // bandwidth. Here the weight is packed once as groups of 16 output columns with their K
 // values in pairs, so each 64-byte line is one K pair of 16 columns: the operand layout
 // of both `vdpbf16ps` (AVX512-BF16) and an AMX B tile (16 consecutive lines), and each
-// group is one contiguous stream, prefetched ahead. A tile is 4 groups (64 columns);
-// threads split the tiles, and all rows of x meet a tile while it sits in L1/L2. With
-// AMX (16 rows per block, two blocks per pass) this beats oneDNN up to ~1,024 rows; with
-// AVX512-BF16 alone, up to ~4 rows, where it beats AMX too. Larger batches (2,048-token
-// prefill steps) stay with oneDNN.
+// group is one contiguous stream (the dot-product path prefetches it ahead). A tile is 4
+// groups (64 columns); threads split the tiles, and all rows of x meet a tile while it
+// sits in L1/L2. With AMX (16 rows per block, two blocks per pass) this beats oneDNN up
+// to ~1,024 rows; with AVX512-BF16 alone, up to ~4 rows, where it beats AMX too. Larger
+// batches (2,048-token prefill steps) stay with oneDNN.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -124,16 +124,11 @@ void configure_pair_tiles(int64_t m2) {
   load_tile_config(cfg);
 }
 
-// Group g's next 16 K pairs into B tile tb, asking for the lines further down its stream.
-#define KVSERVE_AMX_LOAD_B(g, tb)                                                   \
-  do {                                                                              \
-    const at::BFloat16* bp = w + ((g) * k_pairs + kc * kAmxK / 2) * 2 * kGroupCols; \
-    for (int64_t l = 0; l < kAmxRows; l += 2)                                       \
-      _mm_prefetch(reinterpret_cast<const char*>(bp + (kAmxPrefetch + l) * 2 * kGroupCols), _MM_HINT_T0); \
-    _tile_loadd(tb, bp, 64);                                                        \
-  } while (0)
-
-constexpr int64_t kAmxPrefetch = 4 * kAmxRows;  // lines ahead in each group's stream
+// Group g's next 16 K pairs into B tile tb. No software prefetch here, unlike the
+// dot-product path: each group is one sequential stream that the hardware prefetcher
+// follows, and prefetches issued beside the tile loads made 8-64 rows 3-14% slower.
+#define KVSERVE_AMX_LOAD_B(g, tb) \
+  _tile_loadd(tb, w + ((g) * k_pairs + kc * kAmxK / 2) * 2 * kGroupCols, 64)
 
 inline void zero_sum_tiles() {  // tiles 0-3: the fp32 sums, in both kernels
   _tile_zero(0);
