@@ -14,6 +14,7 @@ from kvserve.bench.datasets import BenchRequest, first_turns, iter_json_array, s
 from kvserve.bench.hf_baseline import run_hf_baseline, static_batches
 from kvserve.bench.throughput import run_throughput
 from kvserve.config import EngineConfig
+from kvserve.engine.llm_engine import LLMEngine
 
 VOCAB = 49152
 
@@ -123,3 +124,19 @@ def test_multiturn_prefix_bench_reports_later_turns(tiny_model_dir, capsys):
         assert r.ttft_later_turns_speedup_vs_off == pytest.approx(speedup)
     print_table(results)
     assert "TTFT turns 2+ p50" in capsys.readouterr().out
+
+
+def test_multiturn_replies_are_exact_and_never_hold_the_end_of_turn_token(tiny_model_dir):
+    """ignore_eos would let the end-of-turn token into a reply; the text drops it, so the
+    next turn's prompt would stop matching the cache there. min_tokens masks it instead."""
+    from kvserve.bench.conversations import Conversation
+    from kvserve.bench.prefix_cache import run_multiturn
+
+    chats = [Conversation(["Hello there, how are you today?", "Tell me more."], [8, 8])]
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64))
+    first_reply = [f.output.outputs[0].token_ids for f in run_multiturn(engine, chats, 1)[0] if f.turn == 0][0]
+    engine.eos_token_ids = (first_reply[0],)  # the token greedy decoding picks first becomes the end of turn
+    finished, _, _ = run_multiturn(engine, chats, 1)
+    for f in finished:
+        reply = f.output.outputs[0].token_ids
+        assert len(reply) == 8 and first_reply[0] not in reply

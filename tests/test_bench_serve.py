@@ -260,3 +260,12 @@ def test_random_prompts_retokenize_to_input_len(smollm2_dir):
     sessions = serve.load_sessions(serve.WorkloadSpec(name="random", num_prompts=16, input_len=256), tokenizer)
     lengths = [len(tokenizer.encode(s.prompts[0], add_special_tokens=False)) for s in sessions]
     assert all(abs(n - 256) <= 2 for n in lengths), lengths
+
+
+def test_multiturn_asks_for_exact_lengths_by_min_tokens_not_ignore_eos():
+    config = ServeConfig(endpoint="chat", model="m")
+    turn = serve.payload(config, [{"role": "user", "content": "hi"}], 7, multiturn=True)
+    assert turn["min_tokens"] == 7 and "ignore_eos" not in turn
+    single = serve.payload(config, "hi", 7)
+    assert single["ignore_eos"] is True and "min_tokens" not in single
+    assert "min_tokens" not in serve.payload(ServeConfig(ignore_eos=False), "hi", 7, multiturn=True)

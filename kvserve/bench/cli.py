@@ -90,7 +90,12 @@ def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens of each request's own")
     s.add_argument("--max-turns", type=int, default=4, help="multiturn: user turns per conversation, at most")
     s.add_argument("--temperature", type=float, default=0.0)
-    s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True, help="exact output lengths")
+    s.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exact output lengths (multiturn sends min_tokens instead, so no reply holds the end-of-turn token)",
+    )
     s.add_argument("--seed", type=int, default=0, help="seeds the workload sample and the arrival times")
     s.add_argument("--output-json", "--result-json", type=Path, default=None, help="result and every request")
     s.add_argument("--plot", type=Path, default=None, help="a PNG of latency distributions and throughput")

@@ -44,7 +44,7 @@ class Session:
     """What one arrival sends: one prompt, or the user turns of one conversation, in order."""
 
     prompts: tuple[str, ...]
-    max_tokens: tuple[int, ...]  # output length of each turn (exact when the server honours ignore_eos)
+    max_tokens: tuple[int, ...]  # output length of each turn (exact when the server honours ignore_eos / min_tokens)
     prompt_len: int | None = None  # single-turn: the workload's token count, used if the server sends no usage
     multiturn: bool = False  # each prompt is then the whole chat so far, the server's replies included
 
@@ -259,7 +259,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration: float) -> ServeM
 # --- HTTP -----------------------------------------------------------------------------------------
 
 
-def payload(config: ServeConfig, prompt: str | list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+def payload(
+    config: ServeConfig, prompt: str | list[dict[str, str]], max_tokens: int, multiturn: bool = False
+) -> dict[str, Any]:
     """A streamed request body; `prompt` is text for completions, messages for chat."""
     body: dict[str, Any] = {
         "model": config.model,
@@ -267,7 +269,11 @@ def payload(config: ServeConfig, prompt: str | list[dict[str, str]], max_tokens:
         "stream": True,
         "stream_options": {"include_usage": True},  # token counts, cached tokens
     }
-    if config.ignore_eos:
+    if config.ignore_eos and multiturn:
+        # the reply goes back into the next prompt: min_tokens masks the end-of-turn token
+        # (as vLLM's multi-turn benchmark does), where ignore_eos would let it into the text
+        body["min_tokens"] = max_tokens
+    elif config.ignore_eos:
         body["ignore_eos"] = True
     if config.endpoint == "chat":
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
@@ -468,7 +474,7 @@ async def _run_session(run: _Run, index: int, session: Session) -> list[RequestR
         for turn, (prompt, max_tokens) in enumerate(zip(session.prompts, session.max_tokens, strict=True)):
             record = RequestRecord(session=index, turn=turn, prompt_tokens=session.prompt_len or 0)
             chat.append({"role": "user", "content": prompt})
-            body = payload(run.config, _prompt(run, session, prompt, chat), max_tokens)
+            body = payload(run.config, _prompt(run, session, prompt, chat), max_tokens, session.multiturn)
             records.append(await send_request(run.client, run.config.url, body, record, run.start))
             if run.progress is not None:
                 run.progress.update()
