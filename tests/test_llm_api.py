@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve import LLM, SamplingParams
 
@@ -147,3 +148,20 @@ def test_engine_stats_count_what_ran(tiny_model_dir):
     for o in outs:
         m = o.metrics
         assert 0 <= m.queue_time <= m.time_to_first_token and m.decode_time >= 0
+
+
+def test_greedy_tokens_from_the_fused_lm_head_match_the_logits_path(tiny_model_dir, monkeypatch):
+    """bf16 on a CPU with the small-batch kernel: greedy steps take the head's own argmax."""
+    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="32MiB", max_model_len=512)
+    model = llm.llm_engine.runner.model
+    if model.greedy_tokens(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)) is None:
+        pytest.skip("no fused LM head on this machine")
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), [7] * 20]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fused_calls = []
+    greedy_tokens = model.greedy_tokens
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: fused_calls.append(len(h)) or greedy_tokens(h))
+    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert sum(fused_calls) == 3 * 12
+    monkeypatch.setattr(model, "greedy_tokens", lambda h: None)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused

@@ -54,3 +54,39 @@ def test_shapes_the_kernel_cannot_take_fall_back_to_onednn() -> None:
     assert not SmallBatchWeight.fits(w, "amx") and SmallBatchWeight.fits(w, "avx512_bf16")
     assert not SmallBatchWeight.fits(torch.randn(32, 47), "avx512_bf16")
     assert PackedLinear(w, None, "amx").small is None
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [1, 4, 5, 17, 33, 64])
+@pytest.mark.parametrize(("n", "k"), [(200, 96), (70, 128), (1000, 64)])
+def test_fused_argmax_is_the_argmax_of_the_kernels_own_logits(isa: str, rows: int, n: int, k: int) -> None:
+    """Bit for bit torch.max over the bf16 logits the kernel writes; the padding columns
+    (zero logits) never win, even when every real logit is negative."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = (torch.randn(n, k, generator=g) - 4).to(torch.bfloat16)
+    x = torch.rand(rows, k, generator=g).to(torch.bfloat16)
+    head = SmallBatchWeight(w, None, isa)
+    logits = head(x).float()
+    assert (logits < 0).all()
+    assert torch.equal(head.argmax(x), logits.max(dim=-1).indices)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_fused_argmax_names_the_first_of_equal_maxima(isa: str) -> None:
+    w = torch.full((130, 32), -1.0)
+    w[[9, 70, 129], 0] = 2.0  # columns in different tiles and threads' ranges tie
+    x = torch.zeros(6, 32)
+    x[:, 0] = 1.0
+    head = SmallBatchWeight(w.to(torch.bfloat16), None, isa)
+    assert head.argmax(x.to(torch.bfloat16)).tolist() == [9] * 6
+
+
+def test_packed_linear_fuses_argmax_only_where_its_kernel_runs() -> None:
+    w = torch.randn(130, 64).to(torch.bfloat16)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    assert PackedLinear(w, None, "").argmax(x) is None  # no kernel: the caller takes the logits
+    assert PackedLinear(w, torch.zeros(130).to(torch.bfloat16), small_batch_isa()).argmax(x) is None  # a bias
+    if ISAS:
+        layer = PackedLinear(w, None, ISAS[0])
+        assert torch.equal(layer.argmax(x), layer(x).float().max(dim=-1).indices)
+        assert layer.argmax(torch.randn(SMALL_BATCH_MAX_ROWS[ISAS[0]] + 1, 64).to(torch.bfloat16)) is None

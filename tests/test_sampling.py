@@ -267,6 +267,17 @@ def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     assert EOS not in tokens and 3 not in tokens
 
 
+def test_only_plain_greedy_batches_may_take_the_fused_argmax() -> None:
+    def batch(**kwargs) -> list[Request]:
+        return [make_request(SamplingParams(temperature=0)), make_request(SamplingParams(**kwargs), output=[0])]
+
+    assert Sampler.argmax_only(batch(temperature=0, max_tokens=4, ignore_eos=True))
+    assert Sampler.argmax_only(batch(temperature=0, min_tokens=1))  # one output token already: no masking left
+    for kwargs in ({}, {"temperature": 0, "logprobs": 0}, {"temperature": 0, "repetition_penalty": 1.1},
+                   {"temperature": 0, "min_tokens": 2}):
+        assert not Sampler.argmax_only(batch(**kwargs)), kwargs
+
+
 # logprobs
 
 

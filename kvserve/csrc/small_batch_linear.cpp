@@ -11,12 +11,19 @@
 // sits in L1/L2. With AMX (16 rows per block, two blocks per pass) this beats oneDNN up
 // to ~1,024 rows; with AVX512-BF16 alone, up to ~4 rows, where it beats AMX too. Larger
 // batches (2,048-token prefill steps) stay with oneDNN.
+//
+// The same loops serve greedy sampling's LM head (small_batch_argmax): each row's argmax
+// is kept as the tiles are computed, so the [rows, vocab] logits are never written,
+// widened to fp32 and read back (at 128 rows: 14.1 -> 5.3 ms on SmolLM2's head).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <limits>
 #include <string>
+#include <type_traits>
+#include <vector>
 
 #include "amx.h"
 #include "ops.h"
@@ -39,27 +46,65 @@ constexpr int64_t kDotProductMaxRows = 4;
 
 #if defined(__AVX512BF16__)
 
-// A tile's fp32 sums (sum(r, g): row r, group g) plus bias, rounded to bf16, into the
-// columns [col0, col0 + 64) of out that exist (< n).
-template <typename Sum>
-inline void store_tile(at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n, const float* bias,
-                       int64_t rows, Sum sum) {
-  for (int g = 0; g < kTileGroups; ++g) {
-    const int64_t col = col0 + g * kGroupCols;
-    if (col >= n) break;
-    const __mmask16 mask = n - col >= kGroupCols ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(sum(r, g), b));
-      _mm256_mask_storeu_epi16(out + r * out_stride + col, mask, (__m256i)y);
-    }
-  }
+// Columns [col, col + 16) of a group that exist (< n), as a lane mask.
+inline __mmask16 group_mask(int64_t col, int64_t n) {
+  return n - col >= kGroupCols ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
 }
 
-// One tile (kTileGroups groups) against MR rows of x; sums in fp32, stored rounded to bf16.
-template <int MR>
-void tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const float* bias,
-          at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n) {
+// Where a tile's fp32 sums go (sum(r, g): row r of the pass, group g; rows from row0 on,
+// columns [col0, col0 + 64) that exist). Bf16Out: plus bias, rounded to bf16, stored.
+struct Bf16Out {
+  at::BFloat16* out;
+  int64_t stride, n;
+  const float* bias;
+
+  template <typename Sum>
+  void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
+    for (int g = 0; g < kTileGroups; ++g) {
+      const int64_t col = col0 + g * kGroupCols;
+      if (col >= n) break;
+      const __mmask16 mask = group_mask(col, n);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(sum(r, g), b));
+        _mm256_mask_storeu_epi16(out + (row0 + r) * stride + col, mask, (__m256i)y);
+      }
+    }
+  }
+};
+
+// Greedy sampling's argmax, without writing the logits: each row keeps, per lane, the
+// largest value seen (rounded to bf16 as Bf16Out would store it) and its column. Strictly
+// greater replaces, so among equal values the first column stays, as in torch.max.
+struct RowArgmax {
+  float* best;     // [rows, 16]
+  int32_t* index;  // [rows, 16]
+  int64_t n;
+
+  template <typename Sum>
+  void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int g = 0; g < kTileGroups; ++g) {
+      const int64_t col = col0 + g * kGroupCols;
+      if (col >= n) break;
+      const __mmask16 mask = group_mask(col, n);
+      const __m512i cols = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(col)));
+      for (int64_t r = 0; r < rows; ++r) {
+        const __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sum(r, g)));
+        float* b = best + (row0 + r) * kGroupCols;
+        int32_t* i = index + (row0 + r) * kGroupCols;
+        const __mmask16 gt = _mm512_mask_cmp_ps_mask(mask, v, _mm512_loadu_ps(b), _CMP_GT_OQ);
+        _mm512_mask_storeu_ps(b, gt, v);
+        _mm512_mask_storeu_epi32(i, gt, cols);
+      }
+    }
+  }
+};
+
+// One tile (kTileGroups groups) against MR rows of x, from row0 on; sums in fp32.
+template <int MR, typename Sink>
+void tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const Sink& sink,
+          int64_t row0, int64_t col0) {
   constexpr int64_t kLine = 2 * kGroupCols;  // bf16 per 64-byte line
   __m512 acc[MR][kTileGroups];
   for (int r = 0; r < MR; ++r)
@@ -78,18 +123,19 @@ void tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_
       for (int g = 0; g < kTileGroups; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
     }
   }
-  store_tile(out, out_stride, col0, n, bias, MR, [&](int64_t r, int g) { return acc[r][g]; });
+  sink(row0, MR, col0, [&](int64_t r, int g) { return acc[r][g]; });
 }
 
-using TileFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, const float*, at::BFloat16*,
-                        int64_t, int64_t, int64_t);
+template <typename Sink>
+using TileFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, const Sink&, int64_t, int64_t);
 
-TileFn pick(int mr) {
+template <typename Sink>
+TileFn<Sink> pick(int mr) {
   switch (mr) {
-    case 1: return &tile<1>;
-    case 2: return &tile<2>;
-    case 3: return &tile<3>;
-    default: return &tile<4>;
+    case 1: return &tile<1, Sink>;
+    case 2: return &tile<2, Sink>;
+    case 3: return &tile<3, Sink>;
+    default: return &tile<4, Sink>;
   }
 }
 
@@ -137,9 +183,10 @@ inline void zero_sum_tiles() {  // tiles 0-3: the fp32 sums, in both kernels
   _tile_zero(3);
 }
 
-// One tile of 64 columns against m <= 16 rows of x (tiles configured for m rows).
-void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const float* bias,
-              at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n, int64_t m) {
+// One tile of 64 columns against m <= 16 rows of x, from row0 on (tiles configured for m rows).
+template <typename Sink>
+void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const Sink& sink,
+              int64_t row0, int64_t col0, int64_t m) {
   zero_sum_tiles();
   for (int64_t kc = 0; kc < 2 * k_pairs / kAmxK; ++kc) {
     _tile_loadd(4, x + kc * kAmxK, x_stride * 2);
@@ -157,7 +204,7 @@ void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, in
   _tile_stored(1, sums[1], 64);
   _tile_stored(2, sums[2], 64);
   _tile_stored(3, sums[3], 64);
-  store_tile(out, out_stride, col0, n, bias, m, [&](int64_t r, int g) { return _mm512_load_ps(sums[g][r]); });
+  sink(row0, m, col0, [&](int64_t r, int g) { return _mm512_load_ps(sums[g][r]); });
 }
 
 // One tile against 16 < m <= 32 rows of x, as two blocks (tiles configured by
@@ -165,8 +212,9 @@ void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, in
 // loaded, so the second block's products overlap the weight stream rather than running
 // again over the tile from L2 afterwards (17 rows cost 30% more than 16 that way). Four
 // sum tiles hold two groups of both blocks: the tile's groups go in two halves.
+template <typename Sink>
 void amx_tile_pair(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs,
-                   const float* bias, at::BFloat16* out, int64_t out_stride, int64_t col0, int64_t n, int64_t m) {
+                   const Sink& sink, int64_t row0, int64_t col0, int64_t m) {
   alignas(64) float sums[2][kTileGroups][kAmxRows][kGroupCols];
   const at::BFloat16* x1 = x + kAmxRows * x_stride;
   for (int half = 0; half < 2; ++half) {
@@ -187,39 +235,40 @@ void amx_tile_pair(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* 
     _tile_stored(3, sums[1][2 * half + 1], 64);
   }
   for (int64_t block = 0; block < 2; ++block)
-    store_tile(out + block * kAmxRows * out_stride, out_stride, col0, n, bias, block ? m - kAmxRows : kAmxRows,
-               [&](int64_t r, int g) { return _mm512_load_ps(sums[block][g][r]); });
+    sink(row0 + block * kAmxRows, block ? m - kAmxRows : kAmxRows, col0,
+         [&](int64_t r, int g) { return _mm512_load_ps(sums[block][g][r]); });
 }
 #undef KVSERVE_AMX_LOAD_B
 
 #endif
 
-}  // namespace
-
-// out [M, N] bf16 = x [M, K] bf16 @ W^T + bias, W packed as [N/16, K/2, 16, 2] (N, K padded).
-void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
-                        const c10::optional<at::Tensor>& bias, bool use_amx) {
 #if defined(__AVX512BF16__)
+
+constexpr int64_t kTileCols = kTileGroups * kGroupCols;
+
+// x [M, K] and W packed as [N/16, K/2, 16, 2] (N padded to 64) fit each other, for N = n.
+void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16, "bf16 only");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && out.dim() == 2 && out.stride(1) == 1, "rows must be contiguous");
-  constexpr int64_t kTileCols = kTileGroups * kGroupCols;
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows of x must be contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(0) % kTileGroups == 0 &&
                   packed.size(2) == kGroupCols && packed.size(3) == 2,
               "weight must be packed as [N/16, K/2, 16, 2], N padded to a multiple of 64");
-  const int64_t m = x.size(0), n = out.size(1), k_pairs = packed.size(1), tiles = packed.size(0) / kTileGroups;
-  TORCH_CHECK(x.size(1) == 2 * k_pairs && out.size(0) == m && n <= tiles * kTileCols, "shape mismatch");
-  const float* b = nullptr;
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: fp32 [N]");
-    b = bias->data_ptr<float>();
-  }
+  TORCH_CHECK(x.size(1) == 2 * packed.size(1) && n <= packed.size(0) * kGroupCols, "shape mismatch");
+}
+
+// Every tile of W against every row of x, the sums to the sink of the running thread:
+// sink_for(thread number) is called once per thread.
+template <typename SinkFor>
+void run_tiles(const at::Tensor& x, const at::Tensor& packed, bool use_amx, SinkFor sink_for) {
+  const int64_t m = x.size(0), k_pairs = packed.size(1), tiles = packed.size(0) / kTileGroups;
+  const int64_t xs = x.stride(0);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
 #if KVSERVE_AMX
   if (use_amx && m > kDotProductMaxRows) {
     TORCH_CHECK(x.size(1) % kAmxK == 0 && amx_permitted(), "AMX path needs K % 32 == 0 and AMX permission");
     at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+      const auto sink = sink_for(at::get_thread_num());
       int64_t configured = 0;  // rows of the current configuration; a pair: 16 + its second block
       for (int64_t t = begin; t < end; ++t) {
         const at::BFloat16* wt = wp + t * k_pairs * 2 * kTileCols;
@@ -230,12 +279,10 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
             mr > kAmxRows ? configure_pair_tiles(mr - kAmxRows) : configure_tiles(mr);
             configured = mr;
           }
-          const at::BFloat16* xr = xp + r0 * x.stride(0);
-          at::BFloat16* o = op + r0 * out.stride(0);
           if (mr > kAmxRows) {
-            amx_tile_pair(xr, x.stride(0), wt, k_pairs, b, o, out.stride(0), t * kTileCols, n, mr);
+            amx_tile_pair(xp + r0 * xs, xs, wt, k_pairs, sink, r0, t * kTileCols, mr);
           } else {
-            amx_tile(xr, x.stride(0), wt, k_pairs, b, o, out.stride(0), t * kTileCols, n, mr);
+            amx_tile(xp + r0 * xs, xs, wt, k_pairs, sink, r0, t * kTileCols, mr);
           }
         }
       }
@@ -245,16 +292,69 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
   }
 #endif
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    const auto sink = sink_for(at::get_thread_num());
+    using Sink = std::remove_const_t<decltype(sink)>;
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int mr = static_cast<int>(std::min<int64_t>(kRowBlock, m - r0));
-        pick(mr)(xp + r0 * x.stride(0), x.stride(0), wp + t * k_pairs * 2 * kTileCols, k_pairs, b,
-                 op + r0 * out.stride(0), out.stride(0), t * kTileCols, n);
+        pick<Sink>(mr)(xp + r0 * xs, xs, wp + t * k_pairs * 2 * kTileCols, k_pairs, sink, r0, t * kTileCols);
       }
     }
   });
+}
+
+#endif
+
+}  // namespace
+
+// out [M, N] bf16 = x [M, K] bf16 @ W^T + bias, W packed as [N/16, K/2, 16, 2] (N, K padded).
+void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                        const c10::optional<at::Tensor>& bias, bool use_amx) {
+#if defined(__AVX512BF16__)
+  const int64_t n = out.size(1);
+  check_operands(x, packed, n);
+  TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0), "out must be [M, N], rows contiguous");
+  const float* b = nullptr;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: fp32 [N]");
+    b = bias->data_ptr<float>();
+  }
+  const Bf16Out sink{out.data_ptr<at::BFloat16>(), out.stride(0), n, b};
+  run_tiles(x, packed, use_amx, [&](int) { return sink; });
 #else
   TORCH_CHECK(false, "small_batch_linear needs AVX512-BF16; this build has none");
+#endif
+}
+
+// token_ids [M] int64 = the argmax of each row of small_batch_linear's bf16 output (no
+// bias, N = n), the first column among equal maxima, without writing that output: greedy
+// sampling's LM head. Each thread keeps its own per-lane maxima; they merge at the end.
+void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        bool use_amx) {
+#if defined(__AVX512BF16__)
+  check_operands(x, packed, n);
+  const int64_t m = x.size(0);
+  TORCH_CHECK(n > 0 && token_ids.scalar_type() == at::kLong && token_ids.is_contiguous() && token_ids.numel() == m,
+              "token_ids must be int64 [M], n > 0");
+  const int64_t slots = at::get_num_threads() * m * kGroupCols;
+  std::vector<float> best(slots, -std::numeric_limits<float>::infinity());
+  std::vector<int32_t> index(slots, std::numeric_limits<int32_t>::max());
+  run_tiles(x, packed, use_amx, [&](int thread) {
+    const int64_t at = thread * m * kGroupCols;
+    return RowArgmax{best.data() + at, index.data() + at, n};
+  });
+  auto* ids = token_ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < m; ++r) {
+    float v = -std::numeric_limits<float>::infinity();
+    int32_t i = std::numeric_limits<int32_t>::max();
+    for (int64_t slot = r * kGroupCols; slot < slots; slot += m * kGroupCols)
+      for (int64_t lane = slot; lane < slot + kGroupCols; ++lane)
+        if (best[lane] > v || (best[lane] == v && index[lane] < i)) v = best[lane], i = index[lane];
+    // every logit -inf or NaN: column 0, where torch.max would name the first NaN
+    ids[r] = i == std::numeric_limits<int32_t>::max() ? 0 : i;
+  }
+#else
+  TORCH_CHECK(false, "small_batch_argmax needs AVX512-BF16; this build has none");
 #endif
 }
 
@@ -279,5 +379,7 @@ std::string small_batch_linear_isa() {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("small_batch_linear(Tensor(a!) out, Tensor x, Tensor packed_weight, Tensor? bias, bool use_amx) -> ()");
   m.impl("small_batch_linear", c10::DispatchKey::CPU, &kvserve::small_batch_linear);
+  m.def("small_batch_argmax(Tensor(a!) token_ids, Tensor x, Tensor packed_weight, int n, bool use_amx) -> ()");
+  m.impl("small_batch_argmax", c10::DispatchKey::CPU, &kvserve::small_batch_argmax);
   m.def("small_batch_linear_isa() -> str", &kvserve::small_batch_linear_isa);
 }

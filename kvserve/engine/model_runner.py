@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
 from kvserve.model.attention import AttentionMetadata, PrefillSeq
@@ -55,11 +56,17 @@ class ModelRunner:
             rows.append(sample_rows[parent.seq_id])
         if not requests:
             return {}
-        with record_function("logits"):
-            logits = self.model.compute_logits(hidden[rows])
-        with record_function("sample"):
-            tokens = self.sampler(logits, requests)
+        tokens = self._sample(hidden[rows], requests)
         return {r.seq_id: t for r, t in zip(requests, tokens, strict=True)}
+
+    def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
+        with record_function("logits"):
+            greedy = self.model.greedy_tokens(hidden) if Sampler.argmax_only(requests) else None
+            if greedy is not None:  # the LM head's own argmax: no logits written
+                return [SampledToken(t) for t in greedy.tolist()]
+            logits = self.model.compute_logits(hidden)
+        with record_function("sample"):
+            return self.sampler(logits, requests)
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         if not out.block_copies:
