@@ -340,8 +340,8 @@ void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Te
   std::vector<float> best(slots, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> index(slots, std::numeric_limits<int32_t>::max());
   run_tiles(x, packed, use_amx, [&](int thread) {
-    const int64_t at = thread * m * kGroupCols;
-    return RowArgmax{best.data() + at, index.data() + at, n};
+    const int64_t first = thread * m * kGroupCols;
+    return RowArgmax{best.data() + first, index.data() + first, n};
   });
   auto* ids = token_ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
