@@ -269,12 +269,10 @@ def payload(
         "stream": True,
         "stream_options": {"include_usage": True},  # token counts, cached tokens
     }
-    if config.ignore_eos and multiturn:
-        # the reply goes back into the next prompt: min_tokens masks the end-of-turn token
-        # (as vLLM's multi-turn benchmark does), where ignore_eos would let it into the text
-        body["min_tokens"] = max_tokens
-    elif config.ignore_eos:
-        body["ignore_eos"] = True
+    if config.ignore_eos:
+        # a multiturn reply goes back into the next prompt: min_tokens masks the end-of-turn
+        # token (as vLLM's multi-turn benchmark does), where ignore_eos would let it into the text
+        body |= {"min_tokens": max_tokens} if multiturn else {"ignore_eos": True}
     if config.endpoint == "chat":
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         return body | {"messages": messages, "max_completion_tokens": max_tokens}

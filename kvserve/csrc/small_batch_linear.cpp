@@ -46,9 +46,15 @@ constexpr int64_t kDotProductMaxRows = 4;
 
 #if defined(__AVX512BF16__)
 
-// Columns [col, col + 16) of a group that exist (< n), as a lane mask.
-inline __mmask16 group_mask(int64_t col, int64_t n) {
-  return n - col >= kGroupCols ? 0xFFFF : static_cast<__mmask16>((1u << (n - col)) - 1);
+// f(g, col, mask) for each group g of the tile at col0 that has columns < n: its first
+// column and, as a lane mask, which of its 16 exist.
+template <typename F>
+inline void for_each_group(int64_t col0, int64_t n, F f) {
+  for (int g = 0; g < kTileGroups; ++g) {
+    const int64_t col = col0 + g * kGroupCols;
+    if (col >= n) break;
+    f(g, col, n - col >= kGroupCols ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - col)) - 1));
+  }
 }
 
 // Where a tile's fp32 sums go (sum(r, g): row r of the pass, group g; rows from row0 on,
@@ -60,16 +66,13 @@ struct Bf16Out {
 
   template <typename Sum>
   void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
-    for (int g = 0; g < kTileGroups; ++g) {
-      const int64_t col = col0 + g * kGroupCols;
-      if (col >= n) break;
-      const __mmask16 mask = group_mask(col, n);
+    for_each_group(col0, n, [&](int g, int64_t col, __mmask16 mask) {
       const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
       for (int64_t r = 0; r < rows; ++r) {
         const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(sum(r, g), b));
         _mm256_mask_storeu_epi16(out + (row0 + r) * stride + col, mask, (__m256i)y);
       }
-    }
+    });
   }
 };
 
@@ -84,10 +87,7 @@ struct RowArgmax {
   template <typename Sum>
   void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int g = 0; g < kTileGroups; ++g) {
-      const int64_t col = col0 + g * kGroupCols;
-      if (col >= n) break;
-      const __mmask16 mask = group_mask(col, n);
+    for_each_group(col0, n, [&](int g, int64_t col, __mmask16 mask) {
       const __m512i cols = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(col)));
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sum(r, g)));
@@ -97,7 +97,7 @@ struct RowArgmax {
         _mm512_mask_storeu_ps(b, gt, v);
         _mm512_mask_storeu_epi32(i, gt, cols);
       }
-    }
+    });
   }
 };
 

@@ -27,7 +27,7 @@ class Sampler:
         logits = logits.float().cpu()
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(r.sampling_params.has_penalties or r.num_output_tokens < r.sampling_params.min_tokens for r in requests):
+        if any(_logits_processed(r) for r in requests):
             logits = logits.clone()  # the caller's logits stay as they were
             for i, req in enumerate(requests):
                 apply_penalties(logits[i], req)
@@ -43,10 +43,7 @@ class Sampler:
         """Every token is the plain argmax of its logits: greedy, no logprobs, penalties or
         min_tokens masking. The model may then fuse the argmax into its LM head."""
         return all(
-            (sp := r.sampling_params).greedy
-            and sp.logprobs is None
-            and not sp.has_penalties
-            and r.num_output_tokens >= sp.min_tokens
+            r.sampling_params.greedy and r.sampling_params.logprobs is None and not _logits_processed(r)
             for r in requests
         )
 
@@ -61,6 +58,12 @@ class Sampler:
                 noise[j].exponential_(generator=requests[i].generator or self.generator)
             chosen[random_rows] = (probs / noise).max(dim=-1).indices
         return chosen.tolist()
+
+
+def _logits_processed(req: Request) -> bool:
+    """The request's logits change before its token is chosen: penalties, or stop tokens
+    masked until min_tokens."""
+    return req.sampling_params.has_penalties or req.num_output_tokens < req.sampling_params.min_tokens
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:
