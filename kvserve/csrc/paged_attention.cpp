@@ -391,13 +391,17 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
   store_output<T, D>(p, it, h, sc);
 }
 
-// Split each sequence's query rows into tiles; decode rows are one item each.
-std::vector<Item> make_items(const int64_t* query_lens, int64_t num_seqs) {
+// Split each sequence's query rows into tiles; decode rows are one item each. Longest
+// first (keys to read), so that the threads, pulling items in turn, end together: in
+// batch order a long context claimed last kept one thread busy while the other waited.
+std::vector<Item> make_items(const int64_t* query_lens, const int32_t* context_lens, int64_t num_seqs) {
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t qlen = query_lens[s];
     for (int64_t i = 0; i < qlen; i += kQueryTile) items.push_back({s, i, std::min(qlen, i + kQueryTile)});
   }
+  auto keys = [&](const Item& it) { return context_lens[it.seq] - query_lens[it.seq] + it.last; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
   return items;
 }
 
@@ -508,7 +512,8 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
-  const std::vector<Item> items = make_items(qlens.const_data_ptr<int64_t>(), lens.size(0));
+  const std::vector<Item> items =
+      make_items(qlens.const_data_ptr<int64_t>(), lens.const_data_ptr<int32_t>(), lens.size(0));
   auto launch = [&](auto zero) {
     using T = decltype(zero);
     auto p = make_problem<T>(out, q, k_cache, v_cache, tables, starts, qlens, lens, scale);
