@@ -157,11 +157,13 @@ def test_greedy_tokens_from_the_fused_lm_head_match_the_logits_path(tiny_model_d
     if model.greedy_tokens(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)) is None:
         pytest.skip("no fused LM head on this machine")
     prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), [7] * 20]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     fused_calls = []
     greedy_tokens = model.greedy_tokens
-    monkeypatch.setattr(model, "greedy_tokens", lambda h: fused_calls.append(len(h)) or greedy_tokens(h))
-    fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    assert sum(fused_calls) == 3 * 12
-    monkeypatch.setattr(model, "greedy_tokens", lambda h: None)
-    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
+    # min_tokens: the head skips EOS (banned ids) until the 8th token, as the sampler masks it
+    for params in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=12, min_tokens=8)):
+        monkeypatch.setattr(model, "greedy_tokens", lambda h, b: fused_calls.append(len(h)) or greedy_tokens(h, b))
+        fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        monkeypatch.setattr(model, "greedy_tokens", lambda h, b: None)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
+    assert sum(fused_calls) >= 3 * 12 + 3 * 8

@@ -72,6 +72,27 @@ def test_fused_argmax_is_the_argmax_of_the_kernels_own_logits(isa: str, rows: in
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("rows", [3, 20])
+def test_fused_argmax_skips_each_rows_banned_columns(isa: str, rows: int) -> None:
+    """As torch.max over the logits with the banned columns set to -inf (min_tokens)."""
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    head = SmallBatchWeight(w, None, isa)
+    logits = head(x).float()
+    top2 = logits.topk(2, dim=-1).indices
+    # even rows ban their favourite and their runner-up, odd rows nothing; ids past the vocab are ignored
+    banned = torch.full((rows, 3), -1, dtype=torch.long)
+    banned[::2, :2] = top2[::2]
+    banned[::2, 2] = 1000
+    masked = logits.clone()
+    masked[torch.arange(rows)[::2].unsqueeze(1), top2[::2]] = float("-inf")
+    got = head.argmax(x, banned)
+    assert torch.equal(got, masked.max(dim=-1).indices)
+    assert (got[::2] != top2[::2, 0]).all() and torch.equal(got[1::2], top2[1::2, 0])
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_fused_argmax_names_the_first_of_equal_maxima(isa: str) -> None:
     w = torch.full((130, 32), -1.0)
     w[[9, 70, 129], 0] = 2.0  # columns in different tiles and threads' ranges tie

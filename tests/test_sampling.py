@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.model.sampler import Sampler, _filtered_probs, apply_penalties
+from kvserve.model.sampler import Sampler, _filtered_probs, _logits_processed, apply_penalties
 from kvserve.sampling_params import SamplingParams
 
 EOS = 2
@@ -267,15 +267,27 @@ def test_min_tokens_masks_eos_and_stop_tokens() -> None:
     assert EOS not in tokens and 3 not in tokens
 
 
-def test_only_plain_greedy_batches_may_take_the_fused_argmax() -> None:
+def test_only_greedy_batches_without_penalties_or_logprobs_may_take_the_fused_argmax() -> None:
     def batch(**kwargs) -> list[Request]:
         return [make_request(SamplingParams(temperature=0)), make_request(SamplingParams(**kwargs), output=[0])]
 
     assert Sampler.argmax_only(batch(temperature=0, max_tokens=4, ignore_eos=True))
-    assert Sampler.argmax_only(batch(temperature=0, min_tokens=1))  # one output token already: no masking left
-    for kwargs in ({}, {"temperature": 0, "logprobs": 0}, {"temperature": 0, "repetition_penalty": 1.1},
-                   {"temperature": 0, "min_tokens": 2}):
+    assert Sampler.argmax_only(batch(temperature=0, min_tokens=2))  # masking goes to the head as banned ids
+    for kwargs in ({}, {"temperature": 0, "logprobs": 0}, {"temperature": 0, "repetition_penalty": 1.1}):
         assert not Sampler.argmax_only(batch(**kwargs)), kwargs
+
+
+def test_masked_tokens_name_each_rows_stop_tokens_until_min_tokens() -> None:
+    rows = [
+        make_request(SamplingParams(temperature=0)),  # no min_tokens
+        make_request(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3]), output=[0]),
+        make_request(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[3]), output=[0, 0]),  # reached
+        make_request(SamplingParams(temperature=0, min_tokens=2, ignore_eos=True), output=[0]),  # nothing to mask
+    ]
+    assert Sampler.masked_tokens(rows).tolist() == [[-1, -1], [3, EOS], [-1, -1], [-1, -1]]
+    assert Sampler.masked_tokens([rows[0], rows[3]]) is None
+    # ignore_eos with min_tokens (the peers' load client sends both) changes no logits
+    assert Sampler.argmax_only([rows[3]]) and not _logits_processed(rows[3])
 
 
 # logprobs

@@ -79,10 +79,22 @@ struct Bf16Out {
 // Greedy sampling's argmax, without writing the logits: each row keeps, per lane, the
 // largest value seen (rounded to bf16 as Bf16Out would store it) and its column. Strictly
 // greater replaces, so among equal values the first column stays, as in torch.max.
+// Columns a row bans (its stop tokens before min_tokens) never compete, as if -inf.
 struct RowArgmax {
   float* best;     // [rows, 16]
   int32_t* index;  // [rows, 16]
   int64_t n;
+  const int64_t* banned;  // [rows, per_row] column ids, -1 for none; nullptr: none at all
+  int64_t per_row;
+
+  // The lanes of the group at col that row may win.
+  __mmask16 allowed(int64_t row, int64_t col, __mmask16 mask) const {
+    for (int64_t k = 0; banned && k < per_row; ++k) {
+      const uint64_t lane = static_cast<uint64_t>(banned[row * per_row + k] - col);
+      if (lane < kGroupCols) mask &= static_cast<__mmask16>(~(1u << lane));
+    }
+    return mask;
+  }
 
   template <typename Sum>
   void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
@@ -93,7 +105,7 @@ struct RowArgmax {
         const __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sum(r, g)));
         float* b = best + (row0 + r) * kGroupCols;
         int32_t* i = index + (row0 + r) * kGroupCols;
-        const __mmask16 gt = _mm512_mask_cmp_ps_mask(mask, v, _mm512_loadu_ps(b), _CMP_GT_OQ);
+        const __mmask16 gt = _mm512_mask_cmp_ps_mask(allowed(row0 + r, col, mask), v, _mm512_loadu_ps(b), _CMP_GT_OQ);
         _mm512_mask_storeu_ps(b, gt, v);
         _mm512_mask_storeu_epi32(i, gt, cols);
       }
@@ -328,20 +340,27 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 
 // token_ids [M] int64 = the argmax of each row of small_batch_linear's bf16 output (no
 // bias, N = n), the first column among equal maxima, without writing that output: greedy
-// sampling's LM head. Each thread keeps its own per-lane maxima; they merge at the end.
+// sampling's LM head. banned [M, B] int64 (-1: no entry) names columns a row may not
+// take. Each thread keeps its own per-lane maxima; they merge at the end.
 void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Tensor& packed, int64_t n,
-                        bool use_amx) {
+                        const c10::optional<at::Tensor>& banned, bool use_amx) {
 #if defined(__AVX512BF16__)
   check_operands(x, packed, n);
   const int64_t m = x.size(0);
   TORCH_CHECK(n > 0 && token_ids.scalar_type() == at::kLong && token_ids.is_contiguous() && token_ids.numel() == m,
               "token_ids must be int64 [M], n > 0");
+  const bool bans = banned.has_value() && banned->numel() > 0;
+  TORCH_CHECK(!bans || (banned->scalar_type() == at::kLong && banned->is_contiguous() && banned->dim() == 2 &&
+                        banned->size(0) == m),
+              "banned must be contiguous int64 [M, B]");
+  const int64_t* banned_ids = bans ? banned->data_ptr<int64_t>() : nullptr;
+  const int64_t per_row = bans ? banned->size(1) : 0;
   const int64_t slots = at::get_num_threads() * m * kGroupCols;
   std::vector<float> best(slots, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> index(slots, std::numeric_limits<int32_t>::max());
   run_tiles(x, packed, use_amx, [&](int thread) {
     const int64_t first = thread * m * kGroupCols;
-    return RowArgmax{best.data() + first, index.data() + first, n};
+    return RowArgmax{best.data() + first, index.data() + first, n, banned_ids, per_row};
   });
   auto* ids = token_ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
@@ -379,7 +398,8 @@ std::string small_batch_linear_isa() {
 TORCH_LIBRARY_FRAGMENT(kvserve, m) {
   m.def("small_batch_linear(Tensor(a!) out, Tensor x, Tensor packed_weight, Tensor? bias, bool use_amx) -> ()");
   m.impl("small_batch_linear", c10::DispatchKey::CPU, &kvserve::small_batch_linear);
-  m.def("small_batch_argmax(Tensor(a!) token_ids, Tensor x, Tensor packed_weight, int n, bool use_amx) -> ()");
+  m.def("small_batch_argmax(Tensor(a!) token_ids, Tensor x, Tensor packed_weight, int n, Tensor? banned, "
+        "bool use_amx) -> ()");
   m.impl("small_batch_argmax", c10::DispatchKey::CPU, &kvserve::small_batch_argmax);
   m.def("small_batch_linear_isa() -> str", &kvserve::small_batch_linear_isa);
 }

@@ -61,7 +61,8 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         with record_function("logits"):
-            greedy = self.model.greedy_tokens(hidden) if Sampler.argmax_only(requests) else None
+            argmax_only = Sampler.argmax_only(requests)
+            greedy = self.model.greedy_tokens(hidden, Sampler.masked_tokens(requests)) if argmax_only else None
             if greedy is not None:  # the LM head's own argmax: no logits written
                 return [SampledToken(t) for t in greedy.tolist()]
             logits = self.model.compute_logits(hidden)

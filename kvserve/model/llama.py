@@ -140,9 +140,10 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        """argmax of compute_logits(hidden) per row, where the packed head can fuse it; else None."""
-        return self.lm_head.argmax(hidden) if isinstance(self.lm_head, PackedLinear) else None
+    def greedy_tokens(self, hidden: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor | None:
+        """argmax of compute_logits(hidden) per row outside its banned ids ([rows, B], -1 pads),
+        where the packed head can fuse it; else None."""
+        return self.lm_head.argmax(hidden, banned) if isinstance(self.lm_head, PackedLinear) else None
 
     def pack_linears(self) -> None:
         """CPU bf16, after loading: pre-pack every projection and the head (tied or not) for oneDNN."""

@@ -67,11 +67,12 @@ class SmallBatchWeight:
         self.op(out, x.contiguous(), self.packed, self.bias, self.use_amx)
         return out
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor:
-        """Each row's argmax of `self(x)` (no bias), without writing `self(x)`: [rows] int64."""
+    def argmax(self, x: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor:
+        """Each row's argmax of `self(x)` (no bias), without writing `self(x)`: [rows] int64.
+        banned: [rows, B] int64 columns each row may not take (-1 pads), as if -inf."""
         assert self.bias is None, "an LM head has no bias"
         ids = torch.empty(x.shape[0], dtype=torch.long)
-        cpu_ext.load().small_batch_argmax(ids, x.contiguous(), self.packed, self.out_features, self.use_amx)
+        cpu_ext.load().small_batch_argmax(ids, x.contiguous(), self.packed, self.out_features, banned, self.use_amx)
         return ids
 
 
@@ -90,11 +91,11 @@ class PackedLinear(nn.Module):
             return self.small(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
-    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Greedy sampling's LM head: each row's argmax of `forward(x)`, the logits never
-        written (at 64-128 rows 2-2.7x faster than logits, widening and max). None where the
-        small-batch kernel does not take x."""
-        return self.small.argmax(x) if self._small_fits(x) and self.bias is None else None
+    def argmax(self, x: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Greedy sampling's LM head: each row's argmax of `forward(x)` outside its `banned`
+        columns, the logits never written (at 64-128 rows 2-2.7x faster than logits, widening
+        and max). None where the small-batch kernel does not take x."""
+        return self.small.argmax(x, banned) if self._small_fits(x) and self.bias is None else None
 
     def _small_fits(self, x: torch.Tensor) -> bool:
         return self.small is not None and x.shape[0] <= self.small.max_rows

@@ -6,8 +6,9 @@ min_tokens masking, then greedy argmax or temperature -> top-k -> top-p -> min-p
 distribution as a categorical draw) whose noise comes from the request's own
 generator when it has a seed, so a seeded request samples the same tokens
 whatever else shares its batch. Work nobody asked for (sorting for top-p,
-penalties, logprobs) is skipped; a batch of plain greedy requests (`argmax_only`)
-skips the logits too, where the model's LM head computes its argmax itself.
+penalties, logprobs) is skipped; a batch of greedy requests without penalties or
+logprobs (`argmax_only`) skips the logits too, where the model's LM head computes its
+argmax itself, outside the ids min_tokens still masks.
 """
 
 from __future__ import annotations
@@ -40,12 +41,21 @@ class Sampler:
 
     @staticmethod
     def argmax_only(requests: list[Request]) -> bool:
-        """Every token is the plain argmax of its logits: greedy, no logprobs, penalties or
-        min_tokens masking. The model may then fuse the argmax into its LM head."""
+        """Every token is the argmax of its logits outside `masked_tokens`: greedy, no logprobs
+        or penalties. The model may then fuse the argmax into its LM head."""
         return all(
-            r.sampling_params.greedy and r.sampling_params.logprobs is None and not _logits_processed(r)
+            r.sampling_params.greedy and r.sampling_params.logprobs is None and not r.sampling_params.has_penalties
             for r in requests
         )
+
+    @staticmethod
+    def masked_tokens(requests: list[Request]) -> torch.Tensor | None:
+        """Each request's token ids masked this step ([rows, B] int64, -1 pads), None if none."""
+        masked = [stop_tokens_before_min(r) for r in requests]
+        width = max(map(len, masked))
+        if width == 0:
+            return None
+        return torch.tensor([m + [-1] * (width - len(m)) for m in masked], dtype=torch.long)
 
     def _choose(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         # max(dim).indices is argmax (first maximum, NaN first too) at 1/3 of its time on the CPU
@@ -63,7 +73,7 @@ class Sampler:
 def _logits_processed(req: Request) -> bool:
     """The request's logits change before its token is chosen: penalties, or stop tokens
     masked until min_tokens."""
-    return req.sampling_params.has_penalties or req.num_output_tokens < req.sampling_params.min_tokens
+    return req.sampling_params.has_penalties or bool(stop_tokens_before_min(req))
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:
@@ -80,11 +90,17 @@ def apply_penalties(row: torch.Tensor, req: Request) -> None:
         row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
 
 
-def mask_stop_tokens_before_min(row: torch.Tensor, req: Request) -> None:
+def stop_tokens_before_min(req: Request) -> list[int]:
+    """The ids the request may not sample yet: its stop tokens (and EOS, unless ignore_eos)
+    until it has min_tokens output tokens."""
     sp = req.sampling_params
-    if req.num_output_tokens < sp.min_tokens:
-        stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
-        row[[t for t in stops if t < row.numel()]] = float("-inf")
+    if req.num_output_tokens >= sp.min_tokens:
+        return []
+    return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+
+
+def mask_stop_tokens_before_min(row: torch.Tensor, req: Request) -> None:
+    row[[t for t in stop_tokens_before_min(req) if t < row.numel()]] = float("-inf")
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
