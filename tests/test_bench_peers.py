@@ -81,12 +81,13 @@ def test_missing_scripts_are_named_only_when_needed(tmp_path):
 def test_cli_flags_become_the_config(tmp_path):
     args = build_parser().parse_args(
         ["bench", "peers", "--out", str(tmp_path), "--engines", "kvserve, llama", "--kvserve-args", "--dtype float32",
-         "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--num-requests", "3", "--client-check-runs", "2"]
+         "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--num-requests", "3", "--client-check-runs", "2",
+         "--client-check-requests", "5"]
     )  # fmt: skip
     cfg = peers.config_from_args(args)
     assert cfg.engines == ("kvserve", "llama") and cfg.kvserve_args == ("--dtype", "float32")
     assert cfg.step_batch_sizes == () and cfg.num_requests == 3 and cfg.num_prompts_sharegpt == 200
-    assert cfg.client_check_runs == 2
+    assert cfg.client_check_runs == 2 and cfg.client_check_requests == 5
 
 
 def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
@@ -97,16 +98,18 @@ def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
     assert c8[1] == str(tmp_path / "scripts" / "bench_client.py") and "--warmup" in c8
     assert c8[-4:] == ["--workload", "random", "-c", "8"] and c1[-4:] == ["-c", "1", "--seed", "100"]
     kvserve_jobs = {j.run: j for j in peers.client_jobs("kvserve", cfg, "http://127.0.0.1:9")}
-    assert list(kvserve_jobs) == [  # the cross-check's clients in turn, then the rest
-        "serve-c8", "bench-serve-c8", "serve-c8-check1", "bench-serve-c8-check1", "serve-c8-check2",
-        "bench-serve-c8-check2", "serve-c1", "shared-prefix",
+    assert list(kvserve_jobs) == [  # the target run, the cross-check's clients in turn, then the rest
+        "serve-c8", "serve-c8-check1", "bench-serve-c8-check1", "serve-c8-check2", "bench-serve-c8-check2",
+        "serve-c8-check3", "bench-serve-c8-check3", "serve-c1", "shared-prefix",
     ]  # fmt: skip
-    ours = kvserve_jobs["bench-serve-c8"].argv  # warmed up too, like bench_client.py's --warmup
+    ours = kvserve_jobs["bench-serve-c8-check1"].argv  # warmed up too, like bench_client.py's --warmup
     assert ours[ours.index("--num-warmups") + 1] == ours[ours.index("--max-concurrency") + 1] == "8"
-    assert "--seed" not in ours and "--seed" not in kvserve_jobs["serve-c8"].argv  # the target row's own prompts
+    assert "--seed" not in kvserve_jobs["serve-c8"].argv  # the target row's own prompts
+    theirs = kvserve_jobs["serve-c8-check1"].argv  # the cross-check's runs are larger than the target row's
+    assert theirs[theirs.index("-n") + 1] == ours[ours.index("--num-prompts") + 1] == "128"
+    assert c8[c8.index("-n") + 1] == "32"
     seeds = {run: job.argv[job.argv.index("--seed") + 1] for run, job in kvserve_jobs.items() if "check" in run}
-    assert seeds == {"serve-c8-check1": "201", "bench-serve-c8-check1": "201", "serve-c8-check2": "202",
-                     "bench-serve-c8-check2": "202"}  # fmt: skip
+    assert seeds == {f"{client}-c8-check{i}": str(200 + i) for client in ("serve", "bench-serve") for i in (1, 2, 3)}
     assert kvserve_jobs["bench-serve-c8-check1"].json_file.name == "kvserve-bench-serve-c8-check1.json"
 
     argv, env = peers.server_argv("vllm", cfg, 8123)
@@ -221,9 +224,10 @@ def canned_report() -> dict:
         run("kvserve", "offline-sharegpt", {"output_tok_per_s": 300.0, "input_tokens": 10, "output_tokens": 20}),
         run("kvserve", "step", step),
         run("kvserve", "serve-c8", client(180.0, 1.5, 0.03)),
-        run("kvserve", "bench-serve-c8", {"output_throughput": 182.0, "median_ttft_ms": 1400.0}),
-        run("kvserve", "serve-c8-check1", client(170.0, 1.2, 0.03)),
-        run("kvserve", "bench-serve-c8-check1", {"output_throughput": 176.0, "median_ttft_ms": 1300.0}),
+        run("kvserve", "serve-c8-check1", client(180.0, 1.5, 0.03)),
+        run("kvserve", "bench-serve-c8-check1", {"output_throughput": 182.0, "median_ttft_ms": 1400.0}),
+        run("kvserve", "serve-c8-check2", client(170.0, 1.2, 0.03)),
+        run("kvserve", "bench-serve-c8-check2", {"output_throughput": 176.0, "median_ttft_ms": 1300.0}),
         run("kvserve", "serve-c1", client(60.0, 0.2, 0.011, c=1)),
         run("kvserve", "shared-prefix", shared(1.0, 0.5)),
         run("vllm", "offline-random", {"output_tok_per_s": 300.0, "total_tok_per_s": 900.0}),
@@ -312,17 +316,19 @@ def test_end_to_end_kvserve_alone(tiny_model_dir, tmp_path, capsys):
          "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-prompts-sharegpt", "0",
          "--num-requests", "4", "--input-words", "16", "--max-tokens", "4", "--concurrency", "2",
          "--conversations", "2", "--system-words", "32", "--question-words", "4", "--client-check-runs", "1",
-         "--step-batch-sizes", "1", "2", "--startup-timeout", "60", "--run-timeout", "60"]
+         "--client-check-requests", "3", "--step-batch-sizes", "1", "2", "--startup-timeout", "60",
+         "--run-timeout", "60"]
     )  # fmt: skip
     args.func(args)
     report = json.loads((out / "peers.json").read_text())
     runs = {r["run"]: r for r in report["runs"]}
     assert {r["engine"] for r in report["runs"]} == {"kvserve"}  # vLLM is not installed there: skipped
-    assert list(runs) == ["offline-random", "step", "server", "serve-c8", "bench-serve-c8", "serve-c1", "shared-prefix"]
+    assert list(runs) == ["offline-random", "step", "server", "serve-c8", "serve-c8-check1", "bench-serve-c8-check1",
+                          "serve-c1", "shared-prefix"]  # fmt: skip
     assert all(r["ok"] for r in runs.values()), [r["error"] for r in runs.values()]
     assert runs["offline-random"]["result"]["output_tokens"] == 2 * 4
     assert runs["serve-c8"]["result"]["total_output_tokens"] == 4 * 4
-    assert runs["bench-serve-c8"]["result"]["completed"] == 4
+    assert runs["bench-serve-c8-check1"]["result"]["completed"] == 3
     assert runs["shared-prefix"]["result"]["round2"]["num_ok"] == 2
     assert [s["batch_size"] for s in runs["step"]["result"]["steps"]] == [1, 2]
     md = (out / "peers.md").read_text()

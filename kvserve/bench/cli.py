@@ -213,6 +213,9 @@ def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--client-check-runs", type=int, default=d["client_check_runs"], help="runs of each client for the cross-check"
     )
+    p.add_argument(
+        "--client-check-requests", type=int, default=d["client_check_requests"], help="requests a cross-check run"
+    )
     p.add_argument("--conversations", type=int, default=d["conversations"], help="bench_client.py shared-prefix")
     p.add_argument("--system-words", type=int, default=d["system_words"], help="bench_client.py shared-prefix")
     p.add_argument("--question-words", type=int, default=d["question_words"], help="bench_client.py shared-prefix")

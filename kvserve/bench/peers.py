@@ -64,6 +64,7 @@ class PeersConfig:
     max_tokens: int = 64
     concurrency: int = 8
     client_check_runs: int = 3  # runs of each client, in turn, for the cross-check of kvserve bench serve
+    client_check_requests: int = 128  # requests a cross-check run: 32 leave its TTFT p50 ~10% noisy here
     conversations: int = 8  # bench_client.py shared-prefix workload
     system_words: int = 1024
     question_words: int = 32
@@ -77,6 +78,8 @@ class PeersConfig:
             raise ValueError(f"--engines takes a comma-separated subset of {','.join(ENGINES)}, got {self.engines}")
         if self.client_check_runs < 1:
             raise ValueError(f"--client-check-runs must be >= 1, got {self.client_check_runs}")
+        if self.client_check_requests < 1:
+            raise ValueError(f"--client-check-requests must be >= 1, got {self.client_check_requests}")
         self.anchors = self.anchors or Path(os.environ.get("ANCHORS", DEFAULT_ANCHORS))
         self.anchors_dir = self.anchors_dir or default_anchors_dir()
 
@@ -149,7 +152,7 @@ def engine_version(anchors: Path, name: str) -> str:
 @dataclass(frozen=True)
 class Job:
     engine: str
-    run: str  # offline-random, offline-sharegpt, step, serve-c8, bench-serve-c8, serve-c1, shared-prefix
+    run: str  # offline-random, offline-sharegpt, step, serve-c8, serve-c8-check1, serve-c1, shared-prefix, ...
     argv: list[str]
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     json_file: Path | None = None  # where the result lands; None: the last JSON line of stdout
@@ -203,35 +206,34 @@ def vllm_offline_jobs(cfg: PeersConfig, sharegpt_file: Path | None) -> list[Job]
 def client_jobs(engine: str, cfg: PeersConfig, url: str) -> list[Job]:
     """The same bench_client.py runs for every server; kvserve's own client too, to check they agree."""
     assert cfg.anchors_dir is not None
-    sizes = ["-n", str(cfg.num_requests), "--input-words", str(cfg.input_words), "--max-tokens", str(cfg.max_tokens)]
+    words = ["--input-words", str(cfg.input_words), "--max-tokens", str(cfg.max_tokens)]
     shared = ["--conversations", str(cfg.conversations), "--system-words", str(cfg.system_words)]
     shared += ["--question-words", str(cfg.question_words)]
     client = [sys.executable, str(cfg.anchors_dir / "bench_client.py"), "--base-url", url, "--label", engine]
-    client += ["--warmup", *sizes, *shared]
-    c = str(cfg.concurrency)
-    random_c8 = [*client, "--workload", "random", "-c", c]
-    jobs = [Job(engine, "serve-c8", random_c8)]
-    if engine == "kvserve":
-        jobs.append(kvserve_serve_job(cfg, url, "bench-serve-c8"))
-        for i in range(1, cfg.client_check_runs):  # the two clients in turn, each run with prompts of its own
+    client += ["--warmup", *words, *shared]
+    def random(requests: int, concurrency: int) -> list[str]:
+        return [*client, "-n", str(requests), "--workload", "random", "-c", str(concurrency)]
+
+    jobs = [Job(engine, "serve-c8", random(cfg.num_requests, cfg.concurrency))]
+    if engine == "kvserve":  # the two clients in turn, each run with prompts of its own
+        for i in range(1, cfg.client_check_runs + 1):
             seed = ["--seed", str(CLIENT_CHECK_SEED + i)]
-            jobs.append(Job(engine, f"serve-c8-check{i}", [*random_c8, *seed]))
+            jobs.append(Job(engine, f"serve-c8-check{i}", [*random(cfg.client_check_requests, cfg.concurrency), *seed]))
             jobs.append(kvserve_serve_job(cfg, url, f"bench-serve-c8-check{i}", seed))
-    single = ["--workload", "random", "-c", "1", "--seed", str(SINGLE_STREAM_SEED)]
-    jobs.append(Job(engine, "serve-c1", [*client, *single]))
-    jobs.append(Job(engine, "shared-prefix", [*client, "--workload", "shared-prefix", "-c", c]))
+    jobs.append(Job(engine, "serve-c1", [*random(cfg.num_requests, 1), "--seed", str(SINGLE_STREAM_SEED)]))
+    jobs.append(Job(engine, "shared-prefix", [*client, "--workload", "shared-prefix", "-c", str(cfg.concurrency)]))
     return jobs
 
 
-def kvserve_serve_job(cfg: PeersConfig, url: str, run: str, seed: list[str] | None = None) -> Job:
-    """`kvserve bench serve` on bench_client's random workload sizes: the two clients should agree within 5%."""
+def kvserve_serve_job(cfg: PeersConfig, url: str, run: str, seed: list[str]) -> Job:
+    """`kvserve bench serve` on a cross-check run's sizes: the two clients should agree within 5%."""
     out = cfg.work / f"kvserve-{run}.json"
     argv = [sys.executable, "-m", "kvserve.entrypoints.cli", "bench", "serve", "--base-url", url]
     argv += ["--workload", "random"]
-    argv += ["--num-prompts", str(cfg.num_requests), "--input-len", str(cfg.input_words)]
+    argv += ["--num-prompts", str(cfg.client_check_requests), "--input-len", str(cfg.input_words)]
     argv += ["--output-len", str(cfg.max_tokens), "--max-concurrency", str(cfg.concurrency)]
     argv += ["--num-warmups", str(cfg.concurrency)]  # bench_client.py warms up too (--warmup)
-    return Job("kvserve", run, [*argv, *(seed or []), "--disable-tqdm", "--output-json", str(out)], {}, out)
+    return Job("kvserve", run, [*argv, *seed, "--disable-tqdm", "--output-json", str(out)], {}, out)
 
 
 def server_argv(engine: str, cfg: PeersConfig, port: int) -> tuple[list[str], dict[str, str]]:

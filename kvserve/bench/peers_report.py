@@ -272,11 +272,12 @@ def shared_prefix_section(results: Results) -> list[str]:
 def client_check_section(results: Results) -> list[str]:
     """`kvserve bench serve` and bench_client.py on the same sizes against kvserve: do the clients agree?
 
-    Each client ran `client_check_runs` times, in turn, each run with prompts of its own; their
-    medians are compared. One run of 32 requests is not enough: on 2 cores a client's own TTFT
-    p50 moved by up to ~15% from run to run.
+    Each client ran `client_check_runs` times, in turn, each run with `client_check_requests`
+    prompts of its own; their medians are compared. Runs of 32 requests were not enough: at
+    c=8 their requests arrive in waves of 8 that share steps, so a run's TTFT p50 rests on four
+    waves, and moved by up to ~15% from run to run.
     """
-    ours, theirs = kvserve_runs(results, "bench-serve-c8"), kvserve_runs(results, "serve-c8")
+    ours, theirs = kvserve_runs(results, "bench-serve-c8-check"), kvserve_runs(results, "serve-c8-check")
     if not ours or not theirs:
         return []
     metrics = {  # name: (kvserve bench serve's values, bench_client.py's, digits)
