@@ -329,6 +329,7 @@ def test_end_to_end_kvserve_alone(tiny_model_dir, tmp_path, capsys):
     assert runs["offline-random"]["result"]["output_tokens"] == 2 * 4
     assert runs["serve-c8"]["result"]["total_output_tokens"] == 4 * 4
     assert runs["bench-serve-c8-check1"]["result"]["completed"] == 3
+    assert "requests" not in runs["bench-serve-c8-check1"]["result"]  # they stay in the run's own JSON file
     assert runs["shared-prefix"]["result"]["round2"]["num_ok"] == 2
     assert [s["batch_size"] for s in runs["step"]["result"]["steps"]] == [1, 2]
     md = (out / "peers.md").read_text()

@@ -326,6 +326,8 @@ def parse_result(record: RunRecord, json_file: Path | None, stdout: str) -> RunR
     except (OSError, ValueError) as e:
         record.error = f"no result: {e}"
         return record
+    # `bench serve`'s per-request records stay in its own file (~1.7 KB a request): the report keeps the summary
+    record.result.pop("requests", None)
     record.error = failed_requests(record.result)
     record.ok = not record.error  # figures of a run with failed requests would mislead: kept, not compared
     return record
