@@ -211,16 +211,18 @@ def client_jobs(engine: str, cfg: PeersConfig, url: str) -> list[Job]:
     shared += ["--question-words", str(cfg.question_words)]
     client = [sys.executable, str(cfg.anchors_dir / "bench_client.py"), "--base-url", url, "--label", engine]
     client += ["--warmup", *words, *shared]
-    def random(requests: int, concurrency: int) -> list[str]:
+
+    def random_run(requests: int, concurrency: int) -> list[str]:
         return [*client, "-n", str(requests), "--workload", "random", "-c", str(concurrency)]
 
-    jobs = [Job(engine, "serve-c8", random(cfg.num_requests, cfg.concurrency))]
+    jobs = [Job(engine, "serve-c8", random_run(cfg.num_requests, cfg.concurrency))]
     if engine == "kvserve":  # the two clients in turn, each run with prompts of its own
         for i in range(1, cfg.client_check_runs + 1):
             seed = ["--seed", str(CLIENT_CHECK_SEED + i)]
-            jobs.append(Job(engine, f"serve-c8-check{i}", [*random(cfg.client_check_requests, cfg.concurrency), *seed]))
+            check = random_run(cfg.client_check_requests, cfg.concurrency)
+            jobs.append(Job(engine, f"serve-c8-check{i}", [*check, *seed]))
             jobs.append(kvserve_serve_job(cfg, url, f"bench-serve-c8-check{i}", seed))
-    jobs.append(Job(engine, "serve-c1", [*random(cfg.num_requests, 1), "--seed", str(SINGLE_STREAM_SEED)]))
+    jobs.append(Job(engine, "serve-c1", [*random_run(cfg.num_requests, 1), "--seed", str(SINGLE_STREAM_SEED)]))
     jobs.append(Job(engine, "shared-prefix", [*client, "--workload", "shared-prefix", "-c", str(cfg.concurrency)]))
     return jobs
 
