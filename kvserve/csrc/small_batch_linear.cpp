@@ -46,11 +46,11 @@ constexpr int64_t kDotProductMaxRows = 4;
 
 #if defined(__AVX512BF16__)
 
-// f(g, col, mask) for each group g of the tile at col0 that has columns < n: its first
+// f(g, col, mask) for each of the `groups` groups at col0 that has columns < n: its first
 // column and, as a lane mask, which of its 16 exist.
 template <typename F>
-inline void for_each_group(int64_t col0, int64_t n, F f) {
-  for (int g = 0; g < kTileGroups; ++g) {
+inline void for_each_group(int groups, int64_t col0, int64_t n, F f) {
+  for (int g = 0; g < groups; ++g) {
     const int64_t col = col0 + g * kGroupCols;
     if (col >= n) break;
     f(g, col, n - col >= kGroupCols ? __mmask16{0xFFFF} : static_cast<__mmask16>((1u << (n - col)) - 1));
@@ -58,15 +58,15 @@ inline void for_each_group(int64_t col0, int64_t n, F f) {
 }
 
 // Where a tile's fp32 sums go (sum(r, g): row r of the pass, group g; rows from row0 on,
-// columns [col0, col0 + 64) that exist). Bf16Out: plus bias, rounded to bf16, stored.
+// the columns of `groups` groups from col0 on that exist). Bf16Out: plus bias, rounded to bf16, stored.
 struct Bf16Out {
   at::BFloat16* out;
   int64_t stride, n;
   const float* bias;
 
   template <typename Sum>
-  void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
-    for_each_group(col0, n, [&](int g, int64_t col, __mmask16 mask) {
+  void operator()(int64_t row0, int64_t rows, int64_t col0, int groups, Sum sum) const {
+    for_each_group(groups, col0, n, [&](int g, int64_t col, __mmask16 mask) {
       const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + col) : _mm512_setzero_ps();
       for (int64_t r = 0; r < rows; ++r) {
         const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(sum(r, g), b));
@@ -97,9 +97,9 @@ struct RowArgmax {
   }
 
   template <typename Sum>
-  void operator()(int64_t row0, int64_t rows, int64_t col0, Sum sum) const {
+  void operator()(int64_t row0, int64_t rows, int64_t col0, int groups, Sum sum) const {
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for_each_group(col0, n, [&](int g, int64_t col, __mmask16 mask) {
+    for_each_group(groups, col0, n, [&](int g, int64_t col, __mmask16 mask) {
       const __m512i cols = _mm512_add_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(col)));
       for (int64_t r = 0; r < rows; ++r) {
         const __m512 v = _mm512_cvtpbh_ps(_mm512_cvtneps_pbh(sum(r, g)));
@@ -113,41 +113,41 @@ struct RowArgmax {
   }
 };
 
-// One tile (kTileGroups groups) against MR rows of x, from row0 on; sums in fp32.
-template <int MR, typename Sink>
+// G groups (a tile, or half of one) against MR rows of x, from row0 on; sums in fp32.
+template <int MR, int G, typename Sink>
 void tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const Sink& sink,
           int64_t row0, int64_t col0) {
   constexpr int64_t kLine = 2 * kGroupCols;  // bf16 per 64-byte line
-  __m512 acc[MR][kTileGroups];
+  __m512 acc[MR][G];
   for (int r = 0; r < MR; ++r)
-    for (int g = 0; g < kTileGroups; ++g) acc[r][g] = _mm512_setzero_ps();
+    for (int g = 0; g < G; ++g) acc[r][g] = _mm512_setzero_ps();
   const int32_t* xr[MR];  // a K pair of bf16 read as one 32-bit lane, broadcast to all 16
   for (int r = 0; r < MR; ++r) xr[r] = reinterpret_cast<const int32_t*>(x + r * x_stride);
   for (int64_t kp = 0; kp < k_pairs; ++kp) {
-    __m512bh b[kTileGroups];
-    for (int g = 0; g < kTileGroups; ++g) {
+    __m512bh b[G];
+    for (int g = 0; g < G; ++g) {
       const at::BFloat16* line = w + (g * k_pairs + kp) * kLine;
       _mm_prefetch(reinterpret_cast<const char*>(line + kPrefetchLines * kLine), _MM_HINT_T0);
       b[g] = (__m512bh)_mm512_loadu_si512(line);
     }
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(xr[r][kp]);
-      for (int g = 0; g < kTileGroups; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
+      for (int g = 0; g < G; ++g) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], a, b[g]);
     }
   }
-  sink(row0, MR, col0, [&](int64_t r, int g) { return acc[r][g]; });
+  sink(row0, MR, col0, G, [&](int64_t r, int g) { return acc[r][g]; });
 }
 
 template <typename Sink>
 using TileFn = void (*)(const at::BFloat16*, int64_t, const at::BFloat16*, int64_t, const Sink&, int64_t, int64_t);
 
-template <typename Sink>
+template <int G, typename Sink>
 TileFn<Sink> pick(int mr) {
   switch (mr) {
-    case 1: return &tile<1, Sink>;
-    case 2: return &tile<2, Sink>;
-    case 3: return &tile<3, Sink>;
-    default: return &tile<4, Sink>;
+    case 1: return &tile<1, G, Sink>;
+    case 2: return &tile<2, G, Sink>;
+    case 3: return &tile<3, G, Sink>;
+    default: return &tile<4, G, Sink>;
   }
 }
 
@@ -195,8 +195,9 @@ inline void zero_sum_tiles() {  // tiles 0-3: the fp32 sums, in both kernels
   _tile_zero(3);
 }
 
-// One tile of 64 columns against m <= 16 rows of x, from row0 on (tiles configured for m rows).
-template <typename Sink>
+// G groups (a tile of 64 columns, or half of one) against m <= 16 rows of x, from row0 on
+// (tiles configured for m rows).
+template <int G, typename Sink>
 void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs, const Sink& sink,
               int64_t row0, int64_t col0, int64_t m) {
   zero_sum_tiles();
@@ -206,17 +207,21 @@ void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, in
     _tile_dpbf16ps(0, 4, 5);
     KVSERVE_AMX_LOAD_B(1, 6);
     _tile_dpbf16ps(1, 4, 6);
-    KVSERVE_AMX_LOAD_B(2, 5);
-    _tile_dpbf16ps(2, 4, 5);
-    KVSERVE_AMX_LOAD_B(3, 6);
-    _tile_dpbf16ps(3, 4, 6);
+    if constexpr (G == 4) {
+      KVSERVE_AMX_LOAD_B(2, 5);
+      _tile_dpbf16ps(2, 4, 5);
+      KVSERVE_AMX_LOAD_B(3, 6);
+      _tile_dpbf16ps(3, 4, 6);
+    }
   }
   alignas(64) float sums[kTileGroups][kAmxRows][kGroupCols];
   _tile_stored(0, sums[0], 64);
   _tile_stored(1, sums[1], 64);
-  _tile_stored(2, sums[2], 64);
-  _tile_stored(3, sums[3], 64);
-  sink(row0, m, col0, [&](int64_t r, int g) { return _mm512_load_ps(sums[g][r]); });
+  if constexpr (G == 4) {
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+  }
+  sink(row0, m, col0, G, [&](int64_t r, int g) { return _mm512_load_ps(sums[g][r]); });
 }
 
 // One tile against 16 < m <= 32 rows of x, as two blocks (tiles configured by
@@ -224,12 +229,12 @@ void amx_tile(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, in
 // loaded, so the second block's products overlap the weight stream rather than running
 // again over the tile from L2 afterwards (17 rows cost 30% more than 16 that way). Four
 // sum tiles hold two groups of both blocks: the tile's groups go in two halves.
-template <typename Sink>
+template <int G, typename Sink>
 void amx_tile_pair(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* w, int64_t k_pairs,
                    const Sink& sink, int64_t row0, int64_t col0, int64_t m) {
   alignas(64) float sums[2][kTileGroups][kAmxRows][kGroupCols];
   const at::BFloat16* x1 = x + kAmxRows * x_stride;
-  for (int half = 0; half < 2; ++half) {
+  for (int half = 0; half < G / 2; ++half) {
     zero_sum_tiles();
     for (int64_t kc = 0; kc < 2 * k_pairs / kAmxK; ++kc) {
       _tile_loadd(4, x + kc * kAmxK, x_stride * 2);
@@ -247,7 +252,7 @@ void amx_tile_pair(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* 
     _tile_stored(3, sums[1][2 * half + 1], 64);
   }
   for (int64_t block = 0; block < 2; ++block)
-    sink(row0 + block * kAmxRows, block ? m - kAmxRows : kAmxRows, col0,
+    sink(row0 + block * kAmxRows, block ? m - kAmxRows : kAmxRows, col0, G,
          [&](int64_t r, int g) { return _mm512_load_ps(sums[block][g][r]); });
 }
 #undef KVSERVE_AMX_LOAD_B
@@ -255,8 +260,6 @@ void amx_tile_pair(const at::BFloat16* x, int64_t x_stride, const at::BFloat16* 
 #endif
 
 #if defined(__AVX512BF16__)
-
-constexpr int64_t kTileCols = kTileGroups * kGroupCols;
 
 // x [M, K] and W packed as [N/16, K/2, 16, 2] (N padded to 64) fit each other, for N = n.
 void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
@@ -268,22 +271,35 @@ void check_operands(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
   TORCH_CHECK(x.size(1) == 2 * packed.size(1) && n <= packed.size(0) * kGroupCols, "shape mismatch");
 }
 
+// f(first group, G) over the halves [begin, end) of the tiles (2 groups each): whole
+// tiles (G = 4) where both halves are in range, a lone half (G = 2) at either end.
+template <typename F>
+void for_each_tile(int64_t begin, int64_t end, F f) {
+  int64_t h = begin;
+  if (h % 2 == 1 && h < end) f(2 * h++, std::integral_constant<int, 2>{});
+  for (; h + 1 < end; h += 2) f(2 * h, std::integral_constant<int, 4>{});
+  if (h < end) f(2 * h, std::integral_constant<int, 2>{});
+}
+
 // Every tile of W against every row of x, the sums to the sink of the running thread:
-// sink_for(thread number) is called once per thread.
+// sink_for(thread number) is called once per thread. The threads split the tiles' halves,
+// so that an odd number of tiles still splits evenly (a 576-wide projection's 9 tiles,
+// 5 and 4, took as long as 10 tiles).
 template <typename SinkFor>
 void run_tiles(const at::Tensor& x, const at::Tensor& packed, bool use_amx, SinkFor sink_for) {
-  const int64_t m = x.size(0), k_pairs = packed.size(1), tiles = packed.size(0) / kTileGroups;
+  const int64_t m = x.size(0), k_pairs = packed.size(1), halves = packed.size(0) / 2;
   const int64_t xs = x.stride(0);
   const auto* xp = x.data_ptr<at::BFloat16>();
   const auto* wp = packed.data_ptr<at::BFloat16>();
+  auto weights = [&](int64_t group) { return wp + group * k_pairs * 2 * kGroupCols; };
 #if KVSERVE_AMX
   if (use_amx && m > kDotProductMaxRows) {
     TORCH_CHECK(x.size(1) % kAmxK == 0 && amx_permitted(), "AMX path needs K % 32 == 0 and AMX permission");
-    at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, halves, 1, [&](int64_t begin, int64_t end) {
       const auto sink = sink_for(at::get_thread_num());
       int64_t configured = 0;  // rows of the current configuration; a pair: 16 + its second block
-      for (int64_t t = begin; t < end; ++t) {
-        const at::BFloat16* wt = wp + t * k_pairs * 2 * kTileCols;
+      for_each_tile(begin, end, [&](int64_t group, auto groups) {
+        constexpr int G = decltype(groups)::value;
         // 32 rows at a time; the tile's weights stay in L2 across the passes
         for (int64_t r0 = 0; r0 < m; r0 += 2 * kAmxRows) {
           const int64_t mr = std::min<int64_t>(2 * kAmxRows, m - r0);
@@ -292,26 +308,27 @@ void run_tiles(const at::Tensor& x, const at::Tensor& packed, bool use_amx, Sink
             configured = mr;
           }
           if (mr > kAmxRows) {
-            amx_tile_pair(xp + r0 * xs, xs, wt, k_pairs, sink, r0, t * kTileCols, mr);
+            amx_tile_pair<G>(xp + r0 * xs, xs, weights(group), k_pairs, sink, r0, group * kGroupCols, mr);
           } else {
-            amx_tile(xp + r0 * xs, xs, wt, k_pairs, sink, r0, t * kTileCols, mr);
+            amx_tile<G>(xp + r0 * xs, xs, weights(group), k_pairs, sink, r0, group * kGroupCols, mr);
           }
         }
-      }
+      });
       _tile_release();
     });
     return;
   }
 #endif
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, halves, 1, [&](int64_t begin, int64_t end) {
     const auto sink = sink_for(at::get_thread_num());
     using Sink = std::remove_const_t<decltype(sink)>;
-    for (int64_t t = begin; t < end; ++t) {
+    for_each_tile(begin, end, [&](int64_t group, auto groups) {
+      constexpr int G = decltype(groups)::value;
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int mr = static_cast<int>(std::min<int64_t>(kRowBlock, m - r0));
-        pick<Sink>(mr)(xp + r0 * xs, xs, wp + t * k_pairs * 2 * kTileCols, k_pairs, sink, r0, t * kTileCols);
+        pick<G, Sink>(mr)(xp + r0 * xs, xs, weights(group), k_pairs, sink, r0, group * kGroupCols);
       }
-    }
+    });
   });
 }
 
