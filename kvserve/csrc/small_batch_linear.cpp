@@ -7,7 +7,7 @@
 // values in pairs, so each 64-byte line is one K pair of 16 columns: the operand layout
 // of both `vdpbf16ps` (AVX512-BF16) and an AMX B tile (16 consecutive lines), and each
 // group is one contiguous stream (the dot-product path prefetches it ahead). A tile is 4
-// groups (64 columns); threads split the tiles, and all rows of x meet a tile while it
+// groups (64 columns); threads split the tiles (by halves), and all rows of x meet a tile while it
 // sits in L1/L2. With AMX (16 rows per block, two blocks per pass) this beats oneDNN up
 // to ~1,024 rows; with AVX512-BF16 alone, up to ~4 rows, where it beats AMX too. Larger
 // batches (2,048-token prefill steps) stay with oneDNN.
