@@ -92,6 +92,18 @@ def test_decode_bfloat16(heads, kv_heads, head_dim):
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("length", [1, 300, 1037])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_stream_decode(length, dtype):
+    """One sequence: fewer work items than threads, so the kernel hands out its KV heads."""
+    batch = make_batch([length], [], 9, 3, 64, dtype, seed=2)
+    out, ref = run_both(CpuPagedAttention(), *batch, reference_dtype=torch.float32)
+    if dtype == torch.bfloat16:
+        assert_bf16_close(out, ref)
+    else:
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 def test_decode_writes_the_new_kv_like_torch():
     q, k, v, kv, meta = make_batch([5, 40], [(0, 7), (20, 9)], 9, 3, 64, torch.float32)
     mine, theirs = kv.clone(), kv.clone()

@@ -414,9 +414,20 @@ void run(const Problem<T>& p, const std::vector<Item>& items) {
   // another. A block holds every head's slice of a token side by side, and lines the L2
   // streamer fetches beyond one head's slices are the next head's: with the heads of an
   // item spread over both threads' L2s, cold steps ran 5-10% slower.
+  // Fewer items than threads (a single stream): their KV heads go to the threads one by
+  // one instead, or one thread would run the whole call while the other waited.
+  const bool by_head = n_items < at::get_num_threads();
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     Scratch sc(kQueryTile * p.group, D);
     auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+    if (by_head) {
+      for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
+        const Item& it = items[u / p.kv_heads];
+        fetch_tile<T, D>(p, it, u % p.kv_heads, 0, sc.keys.data());
+        attend_item<T, D>(p, it, u % p.kv_heads, nullptr, 0, sc);
+      }
+      return;
+    }
     int64_t i = claim();
     if (i < n_items) fetch_tile<T, D>(p, items[i], 0, 0, sc.keys.data());
     while (i < n_items) {
