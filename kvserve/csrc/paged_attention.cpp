@@ -394,14 +394,15 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
 // Split each sequence's query rows into tiles; decode rows are one item each. Longest
 // first (keys to read), so that the threads, pulling items in turn, end together: in
 // batch order a long context claimed last kept one thread busy while the other waited.
-std::vector<Item> make_items(const int64_t* query_lens, const int32_t* context_lens, int64_t num_seqs) {
+template <typename T>
+std::vector<Item> make_items(const Problem<T>& p, int64_t num_seqs) {
   std::vector<Item> items;
   for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t qlen = query_lens[s];
+    const int64_t qlen = p.query_lens[s];
     for (int64_t i = 0; i < qlen; i += kQueryTile) items.push_back({s, i, std::min(qlen, i + kQueryTile)});
   }
-  auto keys = [&](const Item& it) { return context_lens[it.seq] - query_lens[it.seq] + it.last; };
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& a, const Item& b) { return item_keys(p, a) > item_keys(p, b); });
   return items;
 }
 
@@ -423,8 +424,9 @@ void run(const Problem<T>& p, const std::vector<Item>& items) {
     if (by_head) {
       for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
         const Item& it = items[u / p.kv_heads];
-        fetch_tile<T, D>(p, it, u % p.kv_heads, 0, sc.keys.data());
-        attend_item<T, D>(p, it, u % p.kv_heads, nullptr, 0, sc);
+        const int64_t h = u % p.kv_heads;
+        fetch_tile<T, D>(p, it, h, 0, sc.keys.data());
+        attend_item<T, D>(p, it, h, nullptr, 0, sc);
       }
       return;
     }
@@ -523,12 +525,10 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
-  const std::vector<Item> items =
-      make_items(qlens.const_data_ptr<int64_t>(), lens.const_data_ptr<int32_t>(), lens.size(0));
   auto launch = [&](auto zero) {
     using T = decltype(zero);
     auto p = make_problem<T>(out, q, k_cache, v_cache, tables, starts, qlens, lens, scale);
-    dispatch_head_dim(p, q.size(2), items, HeadDims{});
+    dispatch_head_dim(p, q.size(2), make_items(p, lens.size(0)), HeadDims{});
   };
   switch (q.scalar_type()) {
     case at::kFloat: return launch(float{});
