@@ -76,6 +76,7 @@ def post(server, path: str, body: object = None, content: bytes | None = None, h
         (COMPLETIONS, {"prompt": []}, "prompt"),
         (COMPLETIONS, {"prompt": [1, -1]}, "prompt.1"),
         (COMPLETIONS, {"prompt": [1, 10**9]}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, 2**50], "echo": True}, "prompt"),  # echo decodes only accepted ids
         (COMPLETIONS, {"prompt": 42}, "prompt"),
         (COMPLETIONS, {"prompt": "word " * 100}, "prompt"),  # longer than the context
         (COMPLETIONS, {"prompt": "word " * 50, "max_tokens": 30}, "max_tokens"),

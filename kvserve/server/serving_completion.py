@@ -38,11 +38,12 @@ class OpenAIServingCompletion(OpenAIServing):
         for ids in prompt_ids:
             self.check_context(len(ids), request.max_tokens, "prompt")
         params = self.sampling_params(request, request.max_tokens)
-        echoes = [await self._echo_text(p) for p in prompts] if request.echo else None
         request_id = f"cmpl-{random_uuid()}"
         stream = self.generate(prompt_ids, params, request_id, tenant, request.cache_salt)
         with self.engine_errors(_FIELDS):
             first = await anext(stream)  # errors before the first token are still HTTP errors
+            # decoded once the engine has accepted the token ids (out-of-vocab ids are its 400)
+            echoes = [await self._echo_text(p) for p in prompts] if request.echo else None
             if request.stream:
                 return EventSourceResponse(self._stream(request, request_id, first, stream, echoes))
             finals = await collect_finals(first, stream, len(prompts))
