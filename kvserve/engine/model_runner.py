@@ -61,8 +61,10 @@ class ModelRunner:
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         with record_function("logits"):
-            argmax_only = Sampler.argmax_only(requests)
-            greedy = self.model.greedy_tokens(hidden, Sampler.masked_tokens(requests)) if argmax_only else None
+            greedy = None
+            if Sampler.argmax_only(requests):
+                masked = Sampler.masked_tokens(requests, self.model.config.vocab_size)
+                greedy = self.model.greedy_tokens(hidden, masked)
             if greedy is not None:  # the LM head's own argmax: no logits written
                 return [SampledToken(t) for t in greedy.tolist()]
             logits = self.model.compute_logits(hidden)

@@ -49,9 +49,10 @@ class Sampler:
         )
 
     @staticmethod
-    def masked_tokens(requests: list[Request]) -> torch.Tensor | None:
-        """Each request's token ids masked this step ([rows, B] int64, -1 pads), None if none."""
-        masked = [stop_tokens_before_min(r) for r in requests]
+    def masked_tokens(requests: list[Request], vocab_size: int) -> torch.Tensor | None:
+        """Each request's token ids masked this step ([rows, B] int64, -1 pads), None if none;
+        ids past the vocabulary are left out, as the logits path leaves them."""
+        masked = [[t for t in stop_tokens_before_min(r) if t < vocab_size] for r in requests]
         width = max(map(len, masked))
         if width == 0:
             return None
