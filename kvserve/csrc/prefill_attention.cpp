@@ -25,6 +25,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "amx.h"
@@ -337,8 +338,12 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     configure_tiles();
     // kept per thread: building its 200 KB anew (zeroed, page-faulted in) cost ~7 us a call,
-    // half of a one-token chunk's whole call
-    static thread_local Scratch sc;
+    // half of a one-token chunk's whole call. On the heap, not a thread_local object: GCC
+    // specialised attend_step for that object's address, and then looked the address up
+    // (__tls_get_addr, behind a vzeroupper) on every access in its loops.
+    static thread_local std::unique_ptr<Scratch> scratch;
+    if (!scratch) scratch = std::make_unique<Scratch>();
+    Scratch& sc = *scratch;
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
       attend_item(p, items[w], sc);
     _tile_release();
