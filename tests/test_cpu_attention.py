@@ -186,6 +186,17 @@ def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim):
 
 
 @needs_prefill_kernel
+@pytest.mark.parametrize("chunk", [(500, 32), (0, 70), (37, 5), (300, 1)])
+@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4)])
+def test_prefill_kernel_single_chunk(chunk, heads, kv_heads):
+    """One chunk (a cache hit's turn): too few (sequence, KV head) pairs for the threads, so each
+    pair's rows are split into several work items."""
+    batch = make_batch([], [chunk], heads, kv_heads, 64, torch.bfloat16, seed=7)
+    out, ref32 = run_both(CpuPagedAttention(prefill_kernel=True), *batch, reference_dtype=torch.float32)
+    torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
+
+
+@needs_prefill_kernel
 def test_prefill_kernel_ignores_stale_slots():
     """Slots past a context may hold anything (NaN from a freed request): never read into the output."""
     q, k, v, kv, meta = make_batch([], [(5, 20), (40, 33)], 9, 3, 64, torch.bfloat16, seed=6)

@@ -287,14 +287,19 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
 }
 
 // Items: (sequence, KV head, up to kRowTiles row tiles), longest contexts first so
-// the threads end together.
+// the threads end together. With fewer (sequence, KV head) pairs than two per thread,
+// each pair's rows are split into that many parts: a cache hit's 32-token chunk was 3
+// items (one per KV head) for 2 threads, one of which ran two while the other waited.
 std::vector<Item> make_items(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
   std::vector<Item> items;
-  constexpr int64_t span = kRows * kRowTiles;
-  for (int64_t s = 0; s < num_seqs; ++s)
-    for (int64_t r0 = 0; r0 < p.query_lens[s] * p.group; r0 += span)
-      for (int64_t h = 0; h < kv_heads; ++h)
-        items.push_back({s, h, r0, std::min(span, p.query_lens[s] * p.group - r0)});
+  const int64_t pairs = num_seqs * kv_heads, wanted = 2 * at::get_num_threads();
+  const int64_t parts = (wanted + pairs - 1) / pairs;  // 1 where there are enough pairs
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = p.query_lens[s] * p.group, tiles = (rows + kRows - 1) / kRows;
+    const int64_t span = kRows * std::clamp<int64_t>((tiles + parts - 1) / parts, 1, kRowTiles);
+    for (int64_t r0 = 0; r0 < rows; r0 += span)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({s, h, r0, std::min(span, rows - r0)});
+  }
   auto keys = [&](const Item& it) { return p.context_lens[it.seq] - p.query_lens[it.seq] + (it.row0 + it.rows) / p.group; };
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
   return items;
