@@ -197,6 +197,15 @@ def test_prefill_kernel_single_chunk(chunk, heads, kv_heads):
 
 
 @needs_prefill_kernel
+def test_prefill_kernel_without_sequences():
+    """A call with no chunks does nothing (splitting rows over zero pairs divided by zero)."""
+    cache = torch.zeros(4, BS, 3, 64, dtype=torch.bfloat16)
+    q = torch.zeros(0, 9, 64, dtype=torch.bfloat16)
+    none = torch.zeros(0, dtype=torch.long)
+    torch.ops.kvserve.prefill_attention(q.clone(), q, cache, cache, none.view(0, 1), none, none, none.int(), 0.125)
+
+
+@needs_prefill_kernel
 def test_prefill_kernel_ignores_stale_slots():
     """Slots past a context may hold anything (NaN from a freed request): never read into the output."""
     q, k, v, kv, meta = make_batch([], [(5, 20), (40, 33)], 9, 3, 64, torch.bfloat16, seed=6)

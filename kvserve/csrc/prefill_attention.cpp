@@ -293,7 +293,7 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
 std::vector<Item> make_items(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
   std::vector<Item> items;
   const int64_t pairs = num_seqs * kv_heads, wanted = 2 * at::get_num_threads();
-  const int64_t parts = (wanted + pairs - 1) / pairs;  // 1 where there are enough pairs
+  const int64_t parts = (wanted + pairs - 1) / std::max<int64_t>(pairs, 1);  // 1 where there are enough pairs
   for (int64_t s = 0; s < num_seqs; ++s) {
     const int64_t rows = p.query_lens[s] * p.group, tiles = (rows + kRows - 1) / kRows;
     const int64_t span = kRows * std::clamp<int64_t>((tiles + parts - 1) / parts, 1, kRowTiles);
