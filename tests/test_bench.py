@@ -140,3 +140,39 @@ def test_multiturn_replies_are_exact_and_never_hold_the_end_of_turn_token(tiny_m
     for f in finished:
         reply = f.output.outputs[0].token_ids
         assert len(reply) == 8 and first_reply[0] not in reply
+
+
+def test_rounds_report_each_figures_median():
+    """Three rounds of one mode: every numeric figure is its median, ratios too; None stays None."""
+    from kvserve.bench.prefix_cache import PrefixBenchResult, median_result
+
+    def result(ttft: float, ratio: float | None) -> PrefixBenchResult:
+        return PrefixBenchResult(
+            mode="radix", workload="multiturn", num_requests=6, prompt_tokens=100, output_tokens=30,
+            prefill_tokens_computed=int(100 * ttft), hit_rate=0.5, ttft_mean_s=ttft, ttft_p90_s=2 * ttft,
+            ttft_later_turns_mean_s=ttft, ttft_later_turns_p50_s=None, wall_time_s=1.0, total_tok_per_s=130.0,
+            ttft_later_turns_speedup_vs_off=ratio,
+        )  # fmt: skip
+
+    merged = median_result([result(0.3, 2.5), result(0.1, 3.5), result(0.2, 2.0)])
+    assert (merged.mode, merged.num_requests, merged.prefill_tokens_computed) == ("radix", 6, 20)
+    assert merged.ttft_mean_s == pytest.approx(0.2) and merged.ttft_p90_s == pytest.approx(0.4)
+    assert merged.ttft_later_turns_speedup_vs_off == 2.5  # the median round's ratio, not a ratio of medians
+    assert merged.ttft_later_turns_p50_s is None and merged.throughput_vs_off is None
+
+
+def test_prefix_cli_runs_rounds_and_rejects_zero(tiny_model_dir, capsys):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    # one request a step (40-token budget), so the later ones hit the first one's prefix
+    argv = ["bench", "prefix", "--workload", "shared-prefix", "--num-prompts", "3", "--prefix-len", "32",
+            "--suffix-len", "4", "--output-len", "2", "--model", str(tiny_model_dir), "--dtype", "float32",
+            "--num-kv-blocks", "32", "--max-num-batched-tokens", "40"]  # fmt: skip
+    args = parser.parse_args([*argv, "--rounds", "2"])
+    args.func(args)
+    off, radix, hashed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["mode"] for r in (off, radix, hashed)] == ["off", "radix", "hash"]
+    assert radix["prefill_tokens_computed"] < off["prefill_tokens_computed"] == 3 * 36
+    args = parser.parse_args([*argv, "--rounds", "0"])
+    with pytest.raises(ValueError, match="--rounds must be >= 1, got 0"):
+        args.func(args)

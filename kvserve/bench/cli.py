@@ -60,6 +60,9 @@ def add_prefix_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every request shares")
     p.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens of each request's own")
     p.add_argument("--output-len", type=int, default=32, help="shared-prefix: output tokens per request")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run the three modes in turn this many times; report medians"
+    )
     p.add_argument("--output-json", type=Path, default=None)
     add_engine_args(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload sample and the engine's sampler")
@@ -252,17 +255,19 @@ def cmd_prefix(args: argparse.Namespace) -> None:
     from kvserve.model.loader import load_config, resolve_model
     from kvserve.tokenizer import load_tokenizer
 
+    if args.rounds < 1:
+        raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     config = engine_config(args)
     model_dir = resolve_model(config.model)
     if args.workload == "multiturn":
         chats = conv.sample_multiturn(load_tokenizer(model_dir), args.num_prompts, args.seed, args.max_turns)
-        results = bench.run_all_modes(config, lambda e: bench.run_multiturn(e, chats, args.concurrency))
+        results = bench.run_rounds(config, lambda e: bench.run_multiturn(e, chats, args.concurrency), args.rounds)
     else:
         vocab = load_config(model_dir).vocab_size
         reqs = conv.shared_prefix_requests(
             vocab, args.num_prompts, args.prefix_len, args.suffix_len, args.output_len, args.seed
         )
-        results = bench.run_all_modes(config, lambda e: bench.run_shared_prefix(e, reqs))
+        results = bench.run_rounds(config, lambda e: bench.run_shared_prefix(e, reqs), args.rounds)
     bench.print_table(results)
     print(json.dumps([asdict(r) for r in results]))
     if args.output_json:

@@ -5,6 +5,10 @@ closed-loop, a few at a time; each turn's prompt is the whole chat so far (the
 model's own earlier replies included, rendered by the chat template), sent as
 soon as the previous turn finished; each reply is as long as the dataset's. Time to
 first token is measured from the moment a request is handed to the engine.
+
+With several rounds the three modes run in turn, round after round, and every figure is
+the median over the rounds (a ratio: the median of each round's ratio), so that a host
+whose speed drifts over minutes moves all three modes alike.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from rich.console import Console
@@ -68,6 +72,22 @@ class PrefixBenchResult:
 class _Finished:
     output: RequestOutput
     turn: int  # 0 for single-turn workloads
+
+
+def run_rounds(config: EngineConfig, run, rounds: int = 1) -> list[PrefixBenchResult]:
+    """`run_all_modes` `rounds` times; per mode, the median of every figure over the rounds."""
+    per_round = [run_all_modes(config, run) for _ in range(rounds)]
+    return [median_result(list(mode_results)) for mode_results in zip(*per_round, strict=True)]
+
+
+def median_result(results: list[PrefixBenchResult]) -> PrefixBenchResult:
+    """One mode's rounds as one result: each numeric field's median (None where a round has none)."""
+    merged = {}
+    for f in fields(PrefixBenchResult):
+        values = [getattr(r, f.name) for r in results]
+        numeric = all(isinstance(v, (int, float)) for v in values)
+        merged[f.name] = statistics.median(values) if numeric else values[0]
+    return PrefixBenchResult(**merged)
 
 
 def run_all_modes(config: EngineConfig, run) -> list[PrefixBenchResult]:
