@@ -155,6 +155,7 @@ def test_rounds_report_each_figures_median():
         )  # fmt: skip
 
     merged = median_result([result(0.3, 2.5), result(0.1, 3.5), result(0.2, 2.0)])
+    assert median_result([result(0.3, 2.5), result(0.1, None)]).ttft_later_turns_speedup_vs_off is None
     assert (merged.mode, merged.num_requests, merged.prefill_tokens_computed) == ("radix", 6, 20)
     assert merged.ttft_mean_s == pytest.approx(0.2) and merged.ttft_p90_s == pytest.approx(0.4)
     assert merged.ttft_later_turns_speedup_vs_off == 2.5  # the median round's ratio, not a ratio of medians

@@ -81,12 +81,15 @@ def run_rounds(config: EngineConfig, run, rounds: int = 1) -> list[PrefixBenchRe
 
 
 def median_result(results: list[PrefixBenchResult]) -> PrefixBenchResult:
-    """One mode's rounds as one result: each numeric field's median (None where a round has none)."""
-    merged = {}
+    """One mode's rounds as one result: each numeric field's median, None where a round has
+    none; the names (mode, workload) as they are."""
+    merged: dict[str, Any] = {}
     for f in fields(PrefixBenchResult):
         values = [getattr(r, f.name) for r in results]
-        numeric = all(isinstance(v, (int, float)) for v in values)
-        merged[f.name] = statistics.median(values) if numeric else values[0]
+        if all(isinstance(v, (int, float)) for v in values):
+            merged[f.name] = statistics.median(values)
+        else:
+            merged[f.name] = None if None in values else values[0]
     return PrefixBenchResult(**merged)
 
 
