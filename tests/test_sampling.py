@@ -289,7 +289,7 @@ def test_masked_tokens_name_each_rows_stop_tokens_until_min_tokens() -> None:
     huge = make_request(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2**70, 3]), output=[0])
     assert Sampler.masked_tokens([huge], 10).tolist() == [[3, EOS]]  # ids past the vocab: no logit to mask
     # ignore_eos with min_tokens (the peers' load client sends both) changes no logits
-    assert Sampler.argmax_only([rows[3]]) and not _logits_processed(rows[3])
+    assert Sampler.argmax_only([rows[3]]) and not _logits_processed(rows[3], 10)
 
 
 # logprobs

@@ -152,15 +152,14 @@ class DecoderLayers : public torch::CustomClassHolder {
  private:
   // x W^T (+ bias): into `out` ([rows, N], allocated by forward) by kvserve's kernel up to
   // its row limit, else a new tensor from oneDNN.
-  at::Tensor linear(const at::Tensor& x, const Linear& w, const at::Tensor& out) const {
+  at::Tensor linear(const at::Tensor& x, const Linear& w, at::Tensor out) const {
     if (x.size(0) > max_small_rows_) {
       KVSERVE_RANGE("mkldnn::_linear_pointwise");
       return onednn_linear(x, w);
     }
     KVSERVE_RANGE("kvserve::small_batch_linear");
-    at::Tensor y = out;
-    small_batch_linear(y, x, w.small, w.small_bias, use_amx_);
-    return y;
+    small_batch_linear(out, x, w.small, w.small_bias, use_amx_);
+    return out;
   }
 
   // K/V rows of the new tokens into the paged cache at their slots (block * block_size +

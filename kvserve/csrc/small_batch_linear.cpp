@@ -7,8 +7,8 @@
 // values in pairs, so each 64-byte line is one K pair of 16 columns: the operand layout
 // of both `vdpbf16ps` (AVX512-BF16) and an AMX B tile (16 consecutive lines), and each
 // group is one contiguous stream (the dot-product path prefetches it ahead). A tile is 4
-// groups (64 columns); threads split the tiles (by halves), and all rows of x meet a tile while it
-// sits in L1/L2. With AMX (16 rows per block, two blocks per pass) this beats oneDNN up
+// groups (64 columns); threads split the tiles (by halves), and all rows of x meet a tile
+// while it sits in L1/L2. With AMX (16 rows per block, two blocks per pass) this beats oneDNN up
 // to ~1,024 rows; with AVX512-BF16 alone, up to ~4 rows, where it beats AMX too. Larger
 // batches (2,048-token prefill steps) stay with oneDNN.
 //
@@ -58,7 +58,8 @@ inline void for_each_group(int groups, int64_t col0, int64_t n, F f) {
 }
 
 // Where a tile's fp32 sums go (sum(r, g): row r of the pass, group g; rows from row0 on,
-// the columns of `groups` groups from col0 on that exist). Bf16Out: plus bias, rounded to bf16, stored.
+// the columns of `groups` groups from col0 on that exist). Bf16Out: plus bias, rounded to
+// bf16, stored.
 struct Bf16Out {
   at::BFloat16* out;
   int64_t stride, n;

@@ -28,7 +28,7 @@ class Sampler:
         logits = logits.float().cpu()
         want_logprobs = any(r.sampling_params.logprobs is not None for r in requests)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if any(_logits_processed(r) for r in requests):
+        if any(_logits_processed(r, logits.shape[-1]) for r in requests):
             logits = logits.clone()  # the caller's logits stay as they were
             for i, req in enumerate(requests):
                 apply_penalties(logits[i], req)
@@ -50,9 +50,8 @@ class Sampler:
 
     @staticmethod
     def masked_tokens(requests: list[Request], vocab_size: int) -> torch.Tensor | None:
-        """Each request's token ids masked this step ([rows, B] int64, -1 pads), None if none;
-        ids past the vocabulary are left out, as the logits path leaves them."""
-        masked = [[t for t in stop_tokens_before_min(r) if t < vocab_size] for r in requests]
+        """Each request's token ids masked this step ([rows, B] int64, -1 pads), None if none."""
+        masked = [stop_tokens_before_min(r, vocab_size) for r in requests]
         width = max(map(len, masked))
         if width == 0:
             return None
@@ -71,10 +70,10 @@ class Sampler:
         return chosen.tolist()
 
 
-def _logits_processed(req: Request) -> bool:
+def _logits_processed(req: Request, vocab_size: int) -> bool:
     """The request's logits change before its token is chosen: penalties, or stop tokens
     masked until min_tokens."""
-    return req.sampling_params.has_penalties or bool(stop_tokens_before_min(req))
+    return req.sampling_params.has_penalties or bool(stop_tokens_before_min(req, vocab_size))
 
 
 def apply_penalties(row: torch.Tensor, req: Request) -> None:
@@ -91,17 +90,18 @@ def apply_penalties(row: torch.Tensor, req: Request) -> None:
         row -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0)
 
 
-def stop_tokens_before_min(req: Request) -> list[int]:
+def stop_tokens_before_min(req: Request, vocab_size: int) -> list[int]:
     """The ids the request may not sample yet: its stop tokens (and EOS, unless ignore_eos)
-    until it has min_tokens output tokens."""
+    until it has min_tokens output tokens; ids past the vocabulary have no logit to mask."""
     sp = req.sampling_params
     if req.num_output_tokens >= sp.min_tokens:
         return []
-    return list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+    stops = list(sp.stop_token_ids) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+    return [t for t in stops if t < vocab_size]
 
 
 def mask_stop_tokens_before_min(row: torch.Tensor, req: Request) -> None:
-    row[[t for t in stop_tokens_before_min(req) if t < row.numel()]] = float("-inf")
+    row[stop_tokens_before_min(req, row.numel())] = float("-inf")
 
 
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
