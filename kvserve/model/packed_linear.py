@@ -35,7 +35,14 @@ TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of t
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return device.type == "cpu" and dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
+    """oneDNN packs bf16 weights only where it multiplies bf16 (AVX-512 or AVX-NE-CONVERT); on
+    an AVX2-only CPU its reorder raises, and bf16 models keep `F.linear`."""
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
 
 
 @functools.cache
