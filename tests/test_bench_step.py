@@ -8,6 +8,7 @@ from kvserve.bench.roofline import Roofline, matmul_gflops, read_gb_per_s
 from kvserve.bench.step import FORWARD_CATEGORIES, STEP_RANGES, matmul_weights, run_step_bench
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
+from kvserve.model.loader import iter_weights
 
 LIMITS = Roofline("float32", matmul_gflops=100.0, read_gb_per_s=10.0)  # fixed: the test checks arithmetic
 
@@ -17,11 +18,12 @@ def tiny_engine(model_dir) -> LLMEngine:
 
 
 def test_matmul_weights_count_every_projection_and_the_head(tiny_model_dir):
-    engine = tiny_engine(tiny_model_dir)  # fp32: not packed, so its parameters can be counted
-    model = engine.runner.model
-    projections = [p for name, p in model.named_parameters() if p.dim() == 2 and "layers." in name]
-    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    expected = sum(p.numel() for p in projections) + head.numel()
+    engine = tiny_engine(tiny_model_dir)
+    # the checkpoint's tensors: the engine's weights are packed, no longer parameters
+    weights = dict(iter_weights(tiny_model_dir))
+    projections = [w for name, w in weights.items() if w.dim() == 2 and "layers." in name]
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    expected = sum(w.numel() for w in projections) + head.numel()
     assert matmul_weights(engine) == (expected, 4 * expected)
 
 

@@ -52,7 +52,8 @@ def test_packed_linear_uses_the_kernel_up_to_max_rows_then_onednn(isa: str) -> N
 def test_shapes_the_kernel_cannot_take_fall_back_to_onednn() -> None:
     w = torch.randn(32, 48).to(torch.bfloat16)  # K = 48: not a multiple of AMX's 32
     assert not SmallBatchWeight.fits(w, "amx") and SmallBatchWeight.fits(w, "avx512_bf16")
-    assert not SmallBatchWeight.fits(torch.randn(32, 47), "avx512_bf16")
+    assert not SmallBatchWeight.fits(torch.randn(32, 47).to(torch.bfloat16), "avx512_bf16")
+    assert not SmallBatchWeight.fits(torch.randn(32, 48), "avx512_bf16")  # fp32: oneDNN alone
     assert PackedLinear(w, None, "amx").small is None
 
 

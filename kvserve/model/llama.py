@@ -146,7 +146,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head.argmax(hidden, banned) if isinstance(self.lm_head, PackedLinear) else None
 
     def pack_linears(self) -> None:
-        """CPU bf16, after loading: pre-pack every projection and the head (tied or not) for oneDNN."""
+        """CPU, after loading: pre-pack every projection and the head (tied or not) for oneDNN."""
         pack_linears(self)
         if self.lm_head is None:
             self.lm_head = PackedLinear(self.embed_tokens.weight, None)
