@@ -1,5 +1,5 @@
-"""The C++ layer loop gives exactly what the Python layers give (bf16), on every kind
-of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
+"""The C++ layer loop gives exactly what the Python layers give (bf16 and fp32), on every
+kind of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
 batches past the small-batch kernel's row limit (oneDNN)."""
 
 from __future__ import annotations
@@ -8,13 +8,16 @@ import pytest
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.model import packed_linear
+from kvserve.model import cpu_ext, packed_linear
 from kvserve.model.packed_linear import small_batch_isa
 
-pytestmark = pytest.mark.skipif(not small_batch_isa(), reason="no small-batch bf16 kernel on this CPU")
+pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="kvserve's CPU kernels did not build")
 
-# an AMX machine also runs the AVX512-BF16 kernel (as a CPU without AMX would, up to 4 rows)
+# an AMX machine also runs the AVX512-BF16 kernel (as a CPU without AMX would, up to 4 rows);
+# fp32 projections all go to oneDNN, on any CPU
 ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), [])
+DTYPES_AND_ISAS = [("bfloat16", isa) for isa in ISAS] + [("float32", "")]
+needs_bf16_kernel = pytest.mark.skipif(not ISAS, reason="no small-batch bf16 kernel on this CPU")
 
 SYSTEM = "You are a terse assistant. Answer in one line, and never apologise. " * 4
 PROMPTS = ["Hi", "The capital of France is", "a b c d e f g h i j k l m n o p q r s t", "word " * 100]
@@ -37,27 +40,24 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
     return [(s.token_ids, [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)]) for s in samples]
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("dtype", "isa"), DTYPES_AND_ISAS)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: bias on q/k/v
-def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, isa, monkeypatch):
+def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, dtype, isa, monkeypatch):
     monkeypatch.setattr(packed_linear, "small_batch_isa", lambda: isa)
     model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type)
-    llm = LLM(model=str(model_dir), dtype="bfloat16", kv_cache_memory="16MiB")
+    llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
-    assert model.fused_layers is not None and model.layers[0].mlp.down_proj.small.use_amx == (isa == "amx")
+    small = model.layers[0].mlp.down_proj.small
+    assert model.fused_layers is not None and (small is None if dtype == "float32" else small.use_amx == (isa == "amx"))
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
 
-def test_every_step_runs_the_loop(tiny_model_dir, monkeypatch):
-    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="16MiB")
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_kernel)])
+def test_every_step_runs_the_loop(tiny_model_dir, dtype, monkeypatch):
+    llm = LLM(model=str(tiny_model_dir), dtype=dtype, kv_cache_memory="16MiB")
     fused = llm.llm_engine.runner.model.fused_layers
     rows = []
     monkeypatch.setattr(type(fused), "__call__", lambda self, x, *a: rows.append(x.shape[0]) or [x, x])
     monkeypatch.setattr(type(llm.llm_engine.runner.model.layers[0]), "forward", lambda *a: pytest.fail("Python layers"))
     llm.generate([list(range(1000, 1100))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert rows == [100, 1, 1]  # the prefill (past the small-batch row limit), then two decodes
-
-
-def test_float32_models_keep_the_python_layers(tiny_model_dir):
-    llm = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="16MiB")
-    assert llm.llm_engine.runner.model.fused_layers is None

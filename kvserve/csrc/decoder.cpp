@@ -2,10 +2,11 @@
 // (kvserve/model/llama.py), in the same order with the same roundings, minus the
 // interpreter. Each layer is ~10 small ops; their Python dispatch (module calls, views,
 // wrappers), and the caches it disturbs between kernels, cost ~6 ms of a 21 ms batch-1
-// step on SmolLM2. Projections go to small_batch_linear up to its row limit and to
-// oneDNN's pre-packed bf16 matmul above it; attention to the kernels CpuPagedAttention
-// picks: paged_attention, prefill_attention, SDPA for long chunks where there is no AMX.
-// Built only for bf16 models whose every projection has both packings, without q/k norm.
+// step on SmolLM2. Projections go to small_batch_linear up to its row limit (bf16 on
+// AVX512-BF16 or AMX; 0 rows elsewhere) and to oneDNN's pre-packed matmul above it;
+// attention to the kernels CpuPagedAttention picks: paged_attention, prefill_attention,
+// SDPA for long chunks where there is no AMX. Built for bf16 and fp32 models whose every
+// projection is packed, without q/k norm.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -28,10 +29,10 @@ namespace {
 
 // One projection in both packings (see kvserve/model/packed_linear.py).
 struct Linear {
-  at::Tensor small;                       // [N/16, K/2, 16, 2] for small_batch_linear
+  at::Tensor small;                       // [N/16, K/2, 16, 2] for small_batch_linear (empty: none)
   std::optional<at::Tensor> small_bias;   // fp32
   at::Tensor onednn;                      // oneDNN's blocked layout
-  std::optional<at::Tensor> bias;         // bf16, for oneDNN
+  std::optional<at::Tensor> bias;         // the model's dtype, for oneDNN
   int64_t out_features;
 };
 
@@ -92,7 +93,8 @@ class DecoderLayers : public torch::CustomClassHolder {
                                              std::vector<at::Tensor> chunks, std::vector<int64_t> long_starts,
                                              std::vector<int64_t> long_lens, std::vector<int64_t> long_context_lens,
                                              std::vector<at::Tensor> long_tables, std::vector<at::Tensor> long_bias) {
-    TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && x_in.dim() == 2, "x must be bf16 [tokens, hidden]");
+    TORCH_CHECK((x_in.scalar_type() == at::kBFloat16 || x_in.scalar_type() == at::kFloat) && x_in.dim() == 2,
+                "x must be bf16 or fp32 [tokens, hidden]");
     TORCH_CHECK(!layers_.empty() && kv_caches.size() == layers_.size(), "one KV cache per layer (and layers)");
     TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
                     slot_mapping.numel() == x_in.size(0), "slot_mapping: int64 [tokens]");
@@ -169,13 +171,15 @@ class DecoderLayers : public torch::CustomClassHolder {
     const int64_t slot_count = cache.size(1) * cache.size(2), row = kv_heads_ * head_dim_;
     TORCH_CHECK(cache.is_contiguous() && cache.size(3) * cache.size(4) == row, "kv cache must be contiguous");
     TORCH_CHECK(k.stride(1) == head_dim_ && v.stride(1) == head_dim_, "k, v: heads must be contiguous");
-    auto* base = cache.data_ptr<at::BFloat16>();
-    const auto* kp = k.const_data_ptr<at::BFloat16>();
-    const auto* vp = v.const_data_ptr<at::BFloat16>();
+    TORCH_CHECK(cache.scalar_type() == k.scalar_type(), "kv cache and k, v must share a dtype");
+    const int64_t size = k.element_size(), bytes = row * size;  // bf16 or fp32: rows are copied as bytes
+    auto* base = static_cast<char*>(cache.data_ptr());
+    const auto* kp = static_cast<const char*>(k.const_data_ptr());
+    const auto* vp = static_cast<const char*>(v.const_data_ptr());
     for (int64_t t = 0; t < k.size(0); ++t) {
       TORCH_CHECK(slots[t] >= 0 && slots[t] < slot_count, "slot ", slots[t], " out of range");
-      std::memcpy(base + slots[t] * row, kp + t * k.stride(0), row * sizeof(at::BFloat16));
-      std::memcpy(base + (slot_count + slots[t]) * row, vp + t * v.stride(0), row * sizeof(at::BFloat16));
+      std::memcpy(base + slots[t] * bytes, kp + t * k.stride(0) * size, bytes);
+      std::memcpy(base + (slot_count + slots[t]) * bytes, vp + t * v.stride(0) * size, bytes);
     }
   }
 
