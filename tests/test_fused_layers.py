@@ -5,6 +5,7 @@ batches past the small-batch kernel's row limit (oneDNN)."""
 from __future__ import annotations
 
 import pytest
+import torch
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
@@ -14,9 +15,10 @@ from kvserve.model.packed_linear import small_batch_isa
 pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="kvserve's CPU kernels did not build")
 
 # an AMX machine also runs the AVX512-BF16 kernel (as a CPU without AMX would, up to 4 rows);
-# fp32 projections all go to oneDNN, on any CPU
+# fp32 runs with its AVX2 kernel where it is compiled in, and with oneDNN alone on any CPU
 ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), [])
-DTYPES_AND_ISAS = [("bfloat16", isa) for isa in ISAS] + [("float32", "")]
+FP32_ISAS = ["", small_batch_isa(torch.float32)] if small_batch_isa(torch.float32) else [""]
+DTYPES_AND_ISAS = [("bfloat16", isa) for isa in ISAS] + [("float32", isa) for isa in FP32_ISAS]
 needs_bf16_kernel = pytest.mark.skipif(not ISAS, reason="no small-batch bf16 kernel on this CPU")
 
 SYSTEM = "You are a terse assistant. Answer in one line, and never apologise. " * 4
@@ -43,12 +45,13 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize(("dtype", "isa"), DTYPES_AND_ISAS)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: bias on q/k/v
 def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, dtype, isa, monkeypatch):
-    monkeypatch.setattr(packed_linear, "small_batch_isa", lambda: isa)
+    monkeypatch.setattr(packed_linear, "small_batch_isa", lambda dtype: isa)
     model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type)
     llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
     small = model.layers[0].mlp.down_proj.small
-    assert model.fused_layers is not None and (small is None if dtype == "float32" else small.use_amx == (isa == "amx"))
+    assert model.fused_layers is not None and (small is None) == (isa == "")
+    assert small is None or small.use_amx == (isa == "amx")
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
 
@@ -60,4 +63,4 @@ def test_every_step_runs_the_loop(tiny_model_dir, dtype, monkeypatch):
     monkeypatch.setattr(type(fused), "__call__", lambda self, x, *a: rows.append(x.shape[0]) or [x, x])
     monkeypatch.setattr(type(llm.llm_engine.runner.model.layers[0]), "forward", lambda *a: pytest.fail("Python layers"))
     llm.generate([list(range(1000, 1100))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
-    assert rows == [100, 1, 1]  # the prefill (past the small-batch row limit), then two decodes
+    assert rows == [100, 1, 1]  # the prefill, then two decodes

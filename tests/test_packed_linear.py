@@ -1,5 +1,6 @@
-"""Pre-packed bf16 linears: oneDNN's path and kvserve's small-batch kernel (AMX or
-AVX512-BF16) give F.linear's result to bf16 rounding, for every row count and odd sizes."""
+"""Pre-packed linears: oneDNN's path and kvserve's small-batch kernel (bf16 on AMX or
+AVX512-BF16, fp32 on AVX2) give F.linear's result to bf16 rounding (fp32: to its
+summation order), for every row count and odd sizes."""
 
 from __future__ import annotations
 
@@ -9,52 +10,71 @@ import torch.nn.functional as F
 
 from kvserve.model.packed_linear import SMALL_BATCH_MAX_ROWS, PackedLinear, SmallBatchWeight, can_pack, small_batch_isa
 
-pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")), reason="no oneDNN bf16")
+CPU = torch.device("cpu")
+pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="no oneDNN")
 
-# an AMX machine also runs the AVX512-BF16 path; elsewhere these tests have nothing to run
+# an AMX machine also runs the AVX512-BF16 path; elsewhere the bf16 tests have nothing to run
 ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), [])
+if not can_pack(torch.bfloat16, CPU):
+    ISAS = []
+needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="no oneDNN bf16")
+FP32_ISA = small_batch_isa(torch.float32)  # "avx2" where the fp32 path is compiled in
+DTYPES_AND_ISAS = [(torch.bfloat16, isa) for isa in ISAS] + ([(torch.float32, FP32_ISA)] if FP32_ISA else [])
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-    """fp32 sums of the bf16 inputs, rounded once to bf16, as both kernels do."""
-    return F.linear(x.float(), w.float(), None if b is None else b.float()).to(torch.bfloat16)
+    """Exact (fp64) sums of the inputs, rounded once to their dtype, as the kernels round."""
+    return F.linear(x.double(), w.double(), None if b is None else b.double()).to(x.dtype)
 
 
-def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor) -> None:
-    # different summation orders: at most a rounding step or two of bf16 apart
-    torch.testing.assert_close(out.float(), ref.float(), rtol=2**-6, atol=2**-6)
+def assert_rounding_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    # different summation orders: at most a rounding step or two of bf16 apart; fp32 sums
+    # of up to 128 products of N(0, 1) values differ by a few ulps of their size (~10)
+    tol = 2**-6 if out.dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 25, 32, 40, 64])
-@pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (64, 64, False), (70, 128, True)])
-def test_small_batch_kernel_matches_f_linear(isa: str, rows: int, n: int, k: int, bias: bool) -> None:
+@pytest.mark.parametrize(("dtype", "isa"), DTYPES_AND_ISAS)
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 25, 32, 40, 64])
+@pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (64, 64, False), (70, 128, True), (9, 5, True)])
+def test_small_batch_kernel_matches_f_linear(dtype, isa: str, rows: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n)
-    w = torch.randn(n, k, generator=g).to(torch.bfloat16)
-    b = torch.randn(n, generator=g).to(torch.bfloat16) if bias else None
-    x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    if not SmallBatchWeight.fits(w, isa):
+        pytest.skip(f"K={k} does not fit {isa}")
     out = SmallBatchWeight(w, b, isa)(x)
-    assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-    assert_bf16_close(out, reference(x, w, b))
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert_rounding_close(out, reference(x, w, b))
 
 
-@pytest.mark.parametrize("isa", [*ISAS, ""])
-def test_packed_linear_uses_the_kernel_up_to_max_rows_then_onednn(isa: str) -> None:
-    w, b = torch.randn(130, 64).to(torch.bfloat16), torch.randn(130).to(torch.bfloat16)
+@pytest.mark.parametrize(("dtype", "isa"), [*DTYPES_AND_ISAS, (torch.bfloat16, ""), (torch.float32, "")])
+def test_packed_linear_uses_the_kernel_up_to_max_rows_then_onednn(dtype, isa: str) -> None:
+    if dtype == torch.bfloat16 and not can_pack(dtype, CPU):
+        pytest.skip("no oneDNN bf16")
+    w, b = torch.randn(130, 64).to(dtype), torch.randn(130).to(dtype)
     layer = PackedLinear(w, b, isa)
     assert (layer.small is not None) == bool(isa)
     limit = SMALL_BATCH_MAX_ROWS.get(isa, 0)
     for rows in sorted({1, limit, limit + 1, 100} - {0}):
-        x = torch.randn(rows, 64).to(torch.bfloat16)
-        assert_bf16_close(layer(x), reference(x, w, b))
+        x = torch.randn(rows, 64).to(dtype)
+        assert_rounding_close(layer(x), reference(x, w, b))
 
 
+@needs_bf16
 def test_shapes_the_kernel_cannot_take_fall_back_to_onednn() -> None:
     w = torch.randn(32, 48).to(torch.bfloat16)  # K = 48: not a multiple of AMX's 32
     assert not SmallBatchWeight.fits(w, "amx") and SmallBatchWeight.fits(w, "avx512_bf16")
     assert not SmallBatchWeight.fits(torch.randn(32, 47).to(torch.bfloat16), "avx512_bf16")
-    assert not SmallBatchWeight.fits(torch.randn(32, 48), "avx512_bf16")  # fp32: oneDNN alone
     assert PackedLinear(w, None, "amx").small is None
+
+
+def test_each_kernel_path_takes_only_its_dtype() -> None:
+    w = torch.randn(32, 47)
+    assert SmallBatchWeight.fits(w, "avx2") and not SmallBatchWeight.fits(w.to(torch.bfloat16), "avx2")
+    assert not SmallBatchWeight.fits(torch.randn(32, 48), "avx512_bf16")
+    assert PackedLinear(w, None, "avx512_bf16").small is None
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -103,6 +123,14 @@ def test_fused_argmax_names_the_first_of_equal_maxima(isa: str) -> None:
     assert head.argmax(x.to(torch.bfloat16)).tolist() == [9] * 6
 
 
+@pytest.mark.skipif(not FP32_ISA, reason="no fp32 small-batch kernel")
+def test_fp32_kernel_has_no_fused_argmax() -> None:
+    w = torch.randn(130, 64)
+    layer = PackedLinear(w, None, FP32_ISA)
+    assert layer.small is not None and layer.argmax(torch.randn(3, 64)) is None  # the caller takes the logits
+
+
+@needs_bf16
 def test_packed_linear_fuses_argmax_only_where_its_kernel_runs() -> None:
     w = torch.randn(130, 64).to(torch.bfloat16)
     x = torch.randn(3, 64).to(torch.bfloat16)

@@ -23,5 +23,8 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
                        const at::Tensor& context_lens, double scale);
 void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias, bool use_amx);
+// small_batch_linear's fp32 path (AVX2 and FMA); bias: fp32 [N] or null.
+void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias);
+bool small_batch_f32_compiled();
 
 }  // namespace kvserve

@@ -337,18 +337,20 @@ void run_tiles(const at::Tensor& x, const at::Tensor& packed, bool use_amx, Sink
 
 }  // namespace
 
-// out [M, N] bf16 = x [M, K] bf16 @ W^T + bias, W packed as [N/16, K/2, 16, 2] (N, K padded).
+// out [M, N] = x [M, K] @ W^T + bias: bf16 with W packed as [N/16, K/2, 16, 2] (N, K
+// padded), or fp32 with W packed as [N/16, K, 16, 1] (small_batch_linear_f32.cpp).
 void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
                         const c10::optional<at::Tensor>& bias, bool use_amx) {
-#if defined(__AVX512BF16__)
   const int64_t n = out.size(1);
-  check_operands(x, packed, n);
   TORCH_CHECK(out.dim() == 2 && out.stride(1) == 1 && out.size(0) == x.size(0), "out must be [M, N], rows contiguous");
   const float* b = nullptr;
   if (bias.has_value()) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == n, "bias: fp32 [N]");
     b = bias->data_ptr<float>();
   }
+  if (x.scalar_type() == at::kFloat) return small_batch_linear_f32(out, x, packed, b);
+#if defined(__AVX512BF16__)
+  check_operands(x, packed, n);
   const Bf16Out sink{out.data_ptr<at::BFloat16>(), out.stride(0), n, b};
   run_tiles(x, packed, use_amx, [&](int) { return sink; });
 #else
@@ -410,6 +412,9 @@ std::string small_batch_linear_isa() {
 #endif
 }
 
+// "avx2" where the fp32 path is compiled in (AVX2 and FMA), else "".
+std::string small_batch_linear_f32_isa() { return small_batch_f32_compiled() ? "avx2" : ""; }
+
 }  // namespace
 }  // namespace kvserve
 
@@ -420,4 +425,5 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "bool use_amx) -> ()");
   m.impl("small_batch_argmax", c10::DispatchKey::CPU, &kvserve::small_batch_argmax);
   m.def("small_batch_linear_isa() -> str", &kvserve::small_batch_linear_isa);
+  m.def("small_batch_linear_f32_isa() -> str", &kvserve::small_batch_linear_f32_isa);
 }

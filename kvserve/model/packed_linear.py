@@ -33,8 +33,10 @@ BATCH_SIZE_HINT = 64
 # Up to how many rows kvserve's kernel beats oneDNN, per ISA (30 SmolLM2 layers, cold
 # weights, ms): with AMX 10 vs 16 at 1-16 rows, 18 vs 23 at 64, 31 vs 36 at 192, 78 vs
 # 93 at 512, 131 vs 160 at 1,024, but 280 vs 184 at 2,048; with AVX512-BF16 dot products
-# alone 9.4 vs 15 at 1-4 rows, even at 8.
-SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 4}
+# alone 9.4 vs 15 at 1-4 rows, even at 8. fp32 on AVX2 (the AMD EPYC host): 19 vs 33 at 1
+# row, 29 vs 51 at 8, 93 vs 128 at 32, 1,446 vs 1,644 at 512, but 3,418 vs 3,036 at 1,024.
+SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 4, "avx2": 512}
+FP32_ISAS = ("avx2",)  # the fp32 path; the others take bf16
 TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
 
 
@@ -47,18 +49,24 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 @functools.cache
-def small_batch_isa() -> str:
-    """'amx', 'avx512_bf16', or '' where kvserve's small-batch kernel cannot run."""
-    return cpu_ext.load().small_batch_linear_isa() if cpu_ext.available() else ""
+def small_batch_isa(dtype: torch.dtype = torch.bfloat16) -> str:
+    """kvserve's small-batch kernel for weights of this dtype: 'amx' or 'avx512_bf16' for bf16,
+    'avx2' for fp32, or '' where it cannot run."""
+    if not cpu_ext.available() or dtype not in (torch.bfloat16, torch.float32):
+        return ""
+    ops = cpu_ext.load()
+    return ops.small_batch_linear_isa() if dtype == torch.bfloat16 else ops.small_batch_linear_f32_isa()
 
 
 class SmallBatchWeight:
-    """A weight packed for kvserve's kernel: [N/16, K/2, 16, 2], N padded to 64 columns."""
+    """A weight packed for kvserve's kernel, N padded to 64 columns: [N/16, K/p, 16, p], p the
+    K values per 32-bit lane (bf16: K in pairs; fp32: one)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str):
         n, k = weight.shape
+        per_lane = 4 // weight.element_size()
         w = F.pad(weight.detach(), (0, 0, 0, -n % TILE_COLS))
-        self.packed = w.view(-1, 16, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+        self.packed = w.view(-1, 16, k // per_lane, per_lane).permute(0, 2, 1, 3).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features = n
         self.use_amx = isa == "amx"
@@ -67,7 +75,9 @@ class SmallBatchWeight:
 
     @staticmethod
     def fits(weight: torch.Tensor, isa: str) -> bool:
-        """The kernel takes bf16 with K in pairs, and in slices of 32 for AMX tiles."""
+        """fp32 for the AVX2 path; bf16 with K in pairs for the others, in slices of 32 for AMX tiles."""
+        if isa in FP32_ISAS:
+            return weight.dtype == torch.float32
         return bool(isa) and weight.dtype == torch.bfloat16 and weight.shape[1] % (32 if isa == "amx" else 2) == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -91,7 +101,7 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_SIZE_HINT)
         self.bias = None if bias is None else bias.detach()
-        isa = small_batch_isa() if isa is None else isa
+        isa = small_batch_isa(weight.dtype) if isa is None else isa
         self.small = SmallBatchWeight(weight, bias, isa) if SmallBatchWeight.fits(weight, isa) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -102,8 +112,9 @@ class PackedLinear(nn.Module):
     def argmax(self, x: torch.Tensor, banned: torch.Tensor | None = None) -> torch.Tensor | None:
         """Greedy sampling's LM head: each row's argmax of `forward(x)` outside its `banned`
         columns, the logits never written (at 64-128 rows 2-2.7x faster than logits, widening
-        and max). None where the small-batch kernel does not take x."""
-        return self.small.argmax(x, banned) if self._small_fits(x) and self.bias is None else None
+        and max). None where the small-batch kernel does not take x (or has no fused argmax: fp32)."""
+        fused = self._small_fits(x) and self.bias is None and x.dtype == torch.bfloat16
+        return self.small.argmax(x, banned) if fused else None
 
     def _small_fits(self, x: torch.Tensor) -> bool:
         return self.small is not None and x.shape[0] <= self.small.max_rows
