@@ -3,10 +3,10 @@
 // interpreter. Each layer is ~10 small ops; their Python dispatch (module calls, views,
 // wrappers), and the caches it disturbs between kernels, cost ~6 ms of a 21 ms batch-1
 // step on SmolLM2. Projections go to small_batch_linear up to its row limit (bf16 on
-// AVX512-BF16 or AMX; 0 rows elsewhere) and to oneDNN's pre-packed matmul above it;
-// attention to the kernels CpuPagedAttention picks: paged_attention, prefill_attention,
-// SDPA for long chunks where there is no AMX. Built for bf16 and fp32 models whose every
-// projection is packed, without q/k norm.
+// AVX512-BF16 or AMX, fp32 on AVX2; 0 rows where it has no path) and to oneDNN's
+// pre-packed matmul above it; attention to the kernels CpuPagedAttention picks:
+// paged_attention, prefill_attention, SDPA for long chunks where there is no AMX. Built
+// for bf16 and fp32 models whose every projection is packed, without q/k norm.
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -29,7 +29,7 @@ namespace {
 
 // One projection in both packings (see kvserve/model/packed_linear.py).
 struct Linear {
-  at::Tensor small;                       // [N/16, K/2, 16, 2] for small_batch_linear (empty: none)
+  at::Tensor small;                       // [N/16, K/p, 16, p] for small_batch_linear (empty: none)
   std::optional<at::Tensor> small_bias;   // fp32
   at::Tensor onednn;                      // oneDNN's blocked layout
   std::optional<at::Tensor> bias;         // the model's dtype, for oneDNN

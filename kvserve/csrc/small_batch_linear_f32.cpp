@@ -1,5 +1,5 @@
-// fp32 linear layers for decode batches on AVX2 CPUs: y = x W^T (+ bias), streaming the
-// weight once. small_batch_linear (small_batch_linear.cpp) hands fp32 operands here.
+// fp32 linear layers for decode batches and prefill chunks on AVX2 CPUs: y = x W^T (+ bias),
+// streaming the weight once. small_batch_linear (small_batch_linear.cpp) hands fp32 operands here.
 //
 // Where there is no AVX-512 (this project's AMD EPYC host) kvserve runs models in fp32,
 // and oneDNN's fp32 matmul took 33 ms for 30 SmolLM2 layers at 1 row and 51 ms at 8,

@@ -3,8 +3,9 @@
 The Python layers cost ~6 ms of interpreter time, and the cache traffic it brings
 between kernels, per step on SmolLM2 (30 layers x ~10 small ops); the C++ loop runs
 the same kernels in the same order without it, bit for bit. It needs every op to have
-a kernel there: projections packed for oneDNN (bf16 ones also for the small-batch kernel,
-where the CPU has it), the CPU paged-attention backend and fused layer ops, no q/k norm.
+a kernel there: projections packed for oneDNN (and for kvserve's small-batch kernel where
+the CPU has a path for their dtype), the CPU paged-attention backend and fused layer ops,
+no q/k norm.
 Models that lack one (other devices, Qwen3, bf16 where oneDNN has no bf16) run the Python
 layers.
 """

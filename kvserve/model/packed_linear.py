@@ -11,9 +11,9 @@ gained nothing.
 
 Decode batches and prefill chunks go further: oneDNN reads cold weights at a third of
 the machine's bandwidth, so up to `SmallBatchWeight.max_rows` rows kvserve's own kernel
-(`kvserve/csrc/small_batch_linear.cpp`, bf16 only) streams a second copy of the weight
-packed for it. The weights then take twice their memory, a fair trade for small models
-on a CPU.
+(`kvserve/csrc/small_batch_linear.cpp`: bf16 on AMX or AVX512-BF16, fp32 on AVX2 in
+`small_batch_linear_f32.cpp`) streams a second copy of the weight packed for it. The
+weights then take twice their memory, a fair trade for small models on a CPU.
 """
 
 from __future__ import annotations
