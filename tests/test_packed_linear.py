@@ -14,10 +14,9 @@ CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="no oneDNN")
 
 # an AMX machine also runs the AVX512-BF16 path; elsewhere the bf16 tests have nothing to run
-ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), [])
-if not can_pack(torch.bfloat16, CPU):
-    ISAS = []
-needs_bf16 = pytest.mark.skipif(not can_pack(torch.bfloat16, CPU), reason="no oneDNN bf16")
+HAS_BF16 = can_pack(torch.bfloat16, CPU)
+ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), []) if HAS_BF16 else []
+needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="no oneDNN bf16")
 FP32_ISA = small_batch_isa(torch.float32)  # "avx2" where the fp32 path is compiled in
 DTYPES_AND_ISAS = [(torch.bfloat16, isa) for isa in ISAS] + ([(torch.float32, FP32_ISA)] if FP32_ISA else [])
 
@@ -51,7 +50,7 @@ def test_small_batch_kernel_matches_f_linear(dtype, isa: str, rows: int, n: int,
 
 @pytest.mark.parametrize(("dtype", "isa"), [*DTYPES_AND_ISAS, (torch.bfloat16, ""), (torch.float32, "")])
 def test_packed_linear_uses_the_kernel_up_to_max_rows_then_onednn(dtype, isa: str) -> None:
-    if dtype == torch.bfloat16 and not can_pack(dtype, CPU):
+    if dtype == torch.bfloat16 and not HAS_BF16:
         pytest.skip("no oneDNN bf16")
     w, b = torch.randn(130, 64).to(dtype), torch.randn(130).to(dtype)
     layer = PackedLinear(w, b, isa)

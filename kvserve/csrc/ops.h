@@ -25,6 +25,5 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
                         const c10::optional<at::Tensor>& bias, bool use_amx);
 // small_batch_linear's fp32 path (AVX2 and FMA); bias: fp32 [N] or null.
 void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias);
-bool small_batch_f32_compiled();
 
 }  // namespace kvserve

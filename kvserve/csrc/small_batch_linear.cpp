@@ -412,9 +412,6 @@ std::string small_batch_linear_isa() {
 #endif
 }
 
-// "avx2" where the fp32 path is compiled in (AVX2 and FMA), else "".
-std::string small_batch_linear_f32_isa() { return small_batch_f32_compiled() ? "avx2" : ""; }
-
 }  // namespace
 }  // namespace kvserve
 
@@ -425,5 +422,4 @@ TORCH_LIBRARY_FRAGMENT(kvserve, m) {
         "bool use_amx) -> ()");
   m.impl("small_batch_argmax", c10::DispatchKey::CPU, &kvserve::small_batch_argmax);
   m.def("small_batch_linear_isa() -> str", &kvserve::small_batch_linear_isa);
-  m.def("small_batch_linear_f32_isa() -> str", &kvserve::small_batch_linear_f32_isa);
 }

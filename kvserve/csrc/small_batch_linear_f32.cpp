@@ -13,8 +13,10 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
+#include <string>
 
 #include "ops.h"
 
@@ -98,16 +100,28 @@ void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tens
   });
 }
 
-bool small_batch_f32_compiled() { return true; }
-
 #else
 
 void small_batch_linear_f32(at::Tensor&, const at::Tensor&, const at::Tensor&, const float*) {
   TORCH_CHECK(false, "small_batch_linear for fp32 needs AVX2 and FMA; this build has neither");
 }
 
-bool small_batch_f32_compiled() { return false; }
-
 #endif
 
+namespace {
+
+// "avx2" where the fp32 path is compiled in (AVX2 and FMA), else "".
+std::string small_batch_linear_f32_isa() {
+#if defined(__AVX2__) && defined(__FMA__)
+  return "avx2";
+#else
+  return "";
+#endif
+}
+
+}  // namespace
 }  // namespace kvserve
+
+TORCH_LIBRARY_FRAGMENT(kvserve, m) {
+  m.def("small_batch_linear_f32_isa() -> str", &kvserve::small_batch_linear_f32_isa);
+}

@@ -35,8 +35,7 @@ BATCH_SIZE_HINT = 64
 # 93 at 512, 131 vs 160 at 1,024, but 280 vs 184 at 2,048; with AVX512-BF16 dot products
 # alone 9.4 vs 15 at 1-4 rows, even at 8. fp32 on AVX2 (the AMD EPYC host): 19 vs 33 at 1
 # row, 29 vs 51 at 8, 93 vs 128 at 32, 1,446 vs 1,644 at 512, but 3,418 vs 3,036 at 1,024.
-SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 4, "avx2": 512}
-FP32_ISAS = ("avx2",)  # the fp32 path; the others take bf16
+SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 4, "avx2": 512}  # "avx2": the fp32 path
 TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
 
 
@@ -76,7 +75,7 @@ class SmallBatchWeight:
     @staticmethod
     def fits(weight: torch.Tensor, isa: str) -> bool:
         """fp32 for the AVX2 path; bf16 with K in pairs for the others, in slices of 32 for AMX tiles."""
-        if isa in FP32_ISAS:
+        if isa == "avx2":
             return weight.dtype == torch.float32
         return bool(isa) and weight.dtype == torch.bfloat16 and weight.shape[1] % (32 if isa == "amx" else 2) == 0
 
