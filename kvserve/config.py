@@ -1,15 +1,22 @@
-"""Engine configuration: the knobs of `LLM(...)` and `kvserve serve`, named as in vLLM."""
+"""Engine configuration: the knobs of `LLM(...)` and `kvserve serve`, named as in vLLM.
+
+Plain data, checked where it is built; no torch, so a router or a CLI can import it.
+"""
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
-import torch
-
-from kvserve.model.loader import DEFAULT_MODEL
-
+DEFAULT_MODEL = "smollm2-135m"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def cache_root() -> Path:
+    """Where kvserve keeps converted checkpoints and built kernels: $KVSERVE_CACHE_DIR or ~/.cache/kvserve."""
+    return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
 
 
 def parse_memory(value: str | int) -> int:
@@ -20,34 +27,6 @@ def parse_memory(value: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"kv_cache_memory must look like '2GiB' or '512MB', got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
-def cpu_has_native_bf16() -> bool:
-    """AVX512-BF16 or AMX: bf16 matmuls run at least as fast as fp32 ones."""
-    try:
-        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
-    except AttributeError:
-        return False
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but no CUDA device is present")
-    if device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        native = torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_native_bf16()
-        return torch.bfloat16 if native else torch.float32
-    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if dtype not in choices:
-        raise ValueError(f"dtype must be one of auto, {', '.join(choices)}; got {dtype!r}")
-    return choices[dtype]
 
 
 @dataclass

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from kvserve.model.loader import DEFAULT_MODEL, resolve_model
+from kvserve.config import DEFAULT_MODEL
+from kvserve.models.loader import resolve_model
+
+# the engine checks the KV cache's integrity whenever it goes idle (servers started by tests inherit it)
+os.environ.setdefault("KVSERVE_CHECK_INVARIANTS", "1")
 
 TINY_CONFIG = dict(
     hidden_size=64,

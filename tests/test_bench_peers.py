@@ -1,4 +1,4 @@
-"""`kvserve bench peers`: peer detection, commands, ratios, report rendering; one small end-to-end run.
+"""The peers harness (tools/peers): peer detection, commands, ratios, report rendering; one small end-to-end run.
 
 No peer is ever started here: the end-to-end test runs kvserve alone, on the tiny model.
 """
@@ -6,6 +6,7 @@ No peer is ever started here: the end-to-end test runs kvserve alone, on the tin
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -14,10 +15,13 @@ from pathlib import Path
 import pytest
 from test_server_common import TINY_ARGS
 
-from kvserve.bench import peers
-from kvserve.bench import vllm_sharegpt_adapter as adapter
-from kvserve.bench.peers import Job, PeersConfig
-from kvserve.bench.peers_report import (
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tools" / "peers"))  # the harness is a folder of scripts, not a package
+
+import peers  # noqa: E402
+import vllm_sharegpt_adapter as adapter  # noqa: E402
+from peers import Job, PeersConfig, build_parser  # noqa: E402
+from report import (  # noqa: E402
     TARGETS,
     chart_series,
     plot_report,
@@ -26,7 +30,6 @@ from kvserve.bench.peers_report import (
     target_rows,
     write_report,
 )
-from kvserve.entrypoints.cli import build_parser
 
 
 def fake_anchors(tmp_path: Path, *, vllm: bool = False, llama: bool = False) -> Path:
@@ -57,15 +60,29 @@ def test_detects_installed_peers_and_notes_missing_ones(tmp_path):
     assert [e.name for e in peers.detect_engines(anchors, ("llama", "kvserve"))] == ["llama", "kvserve"]
 
 
-def test_config_rejects_unknown_engines_and_finds_default_scripts(tmp_path, monkeypatch):
+def test_config_rejects_unknown_engines_and_takes_the_anchors_from_the_environment(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="subset"):
         PeersConfig(out=tmp_path, engines=("kvserve", "sglang"))
     with pytest.raises(ValueError, match="--client-check-runs must be >= 1, got 0"):
         PeersConfig(out=tmp_path, client_check_runs=0)
     monkeypatch.delenv("KVSERVE_ANCHORS_DIR", raising=False)
-    assert PeersConfig(out=tmp_path).anchors_dir == peers.REPO_ROOT.parent / "shared" / "anchors"
+    monkeypatch.delenv("ANCHORS", raising=False)
+    # no folder in the code: neither flag nor variable is an error that names both, once a peer or script is needed
+    with pytest.raises(ValueError, match=r"pass --anchors or set \$ANCHORS"):
+        PeersConfig(out=tmp_path)
+    alone = PeersConfig(out=tmp_path, engines=("kvserve",))
+    assert alone.anchors is None and alone.anchors_dir is None
+    needed = r"^bench_client.py needed.*pass --anchors-dir or set \$KVSERVE_ANCHORS_DIR"
+    with pytest.raises(FileNotFoundError, match=needed):
+        peers.check_scripts(alone, peers.detect_engines(alone.anchors, alone.engines))
+    with pytest.raises(SystemExit, match=r"^error: .*pass --anchors or set \$ANCHORS"):
+        peers.main(["--out", str(tmp_path)])
     monkeypatch.setenv("KVSERVE_ANCHORS_DIR", str(tmp_path))
+    monkeypatch.setenv("ANCHORS", str(tmp_path / "install"))
     assert PeersConfig(out=tmp_path).anchors_dir == tmp_path
+    assert PeersConfig(out=tmp_path).anchors == tmp_path / "install"
+    flags = PeersConfig(out=tmp_path, anchors=tmp_path / "a", anchors_dir=tmp_path / "d")  # the flags win
+    assert (flags.anchors, flags.anchors_dir) == (tmp_path / "a", tmp_path / "d")
 
 
 def test_missing_scripts_are_named_only_when_needed(tmp_path):
@@ -80,14 +97,15 @@ def test_missing_scripts_are_named_only_when_needed(tmp_path):
 
 def test_cli_flags_become_the_config(tmp_path):
     args = build_parser().parse_args(
-        ["bench", "peers", "--out", str(tmp_path), "--engines", "kvserve, llama", "--kvserve-args", "--dtype float32",
-         "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--num-requests", "3", "--client-check-runs", "2",
-         "--client-check-requests", "5"]
+        ["--out", str(tmp_path), "--engines", "kvserve, llama", "--kvserve-args", "--dtype float32",
+         "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--anchors", str(tmp_path), "--num-requests", "3",
+         "--client-check-runs", "2", "--client-check-requests", "5"]
     )  # fmt: skip
     cfg = peers.config_from_args(args)
     assert cfg.engines == ("kvserve", "llama") and cfg.kvserve_args == ("--dtype", "float32")
     assert cfg.step_batch_sizes == () and cfg.num_requests == 3 and cfg.num_prompts_sharegpt == 200
     assert cfg.client_check_runs == 2 and cfg.client_check_requests == 5
+    assert cfg.anchors == cfg.anchors_dir == tmp_path
 
 
 def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
@@ -305,21 +323,25 @@ def test_png_and_files_from_canned_results(tmp_path):
 # --- end to end: kvserve alone, tiny model, tiny workloads ------------------------------------------
 
 
+def anchors_dir_for_this_test() -> Path:
+    """$KVSERVE_ANCHORS_DIR, else the copy of shared/ beside this clone (here and in CI): the harness has no default."""
+    return Path(os.environ.get("KVSERVE_ANCHORS_DIR") or REPO.parent / "shared" / "anchors")
+
+
 def test_end_to_end_kvserve_alone(tiny_model_dir, tmp_path, capsys):
-    anchors_dir = peers.default_anchors_dir()
+    anchors_dir = anchors_dir_for_this_test()
     if not (anchors_dir / "bench_client.py").is_file():
         pytest.skip(f"no bench_client.py in {anchors_dir} (the anchors are not part of kvserve)")
     out = tmp_path / "report"
-    args = build_parser().parse_args(
-        ["bench", "peers", "--out", str(out), "--engines", "kvserve,vllm", "--anchors", str(tmp_path / "none"),
-         "--model", str(tiny_model_dir), "--kvserve-args", " ".join(TINY_ARGS),
+    peers.main(
+        ["--out", str(out), "--engines", "kvserve,vllm", "--anchors", str(tmp_path / "none"),
+         "--anchors-dir", str(anchors_dir), "--model", str(tiny_model_dir), "--kvserve-args", " ".join(TINY_ARGS),
          "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-prompts-sharegpt", "0",
          "--num-requests", "4", "--input-words", "16", "--max-tokens", "4", "--concurrency", "2",
          "--conversations", "2", "--system-words", "32", "--question-words", "4", "--client-check-runs", "1",
          "--client-check-requests", "3", "--step-batch-sizes", "1", "2", "--startup-timeout", "60",
          "--run-timeout", "60"]
     )  # fmt: skip
-    args.func(args)
     report = json.loads((out / "peers.json").read_text())
     runs = {r["run"]: r for r in report["runs"]}
     assert {r["engine"] for r in report["runs"]} == {"kvserve"}  # vLLM is not installed there: skipped
@@ -341,7 +363,6 @@ def test_end_to_end_kvserve_alone(tiny_model_dir, tmp_path, capsys):
 
 def test_render_only_rewrites_the_report_from_its_json(tmp_path, capsys):
     (tmp_path / "peers.json").write_text(json.dumps(canned_report()))
-    args = build_parser().parse_args(["bench", "peers", "--render-only", "--out", str(tmp_path)])
-    args.func(args)
+    peers.main(["--render-only", "--out", str(tmp_path)])
     assert (tmp_path / "peers.md").read_text() == render_markdown(canned_report())
     assert (tmp_path / "peers.png").is_file() and "wrote" in capsys.readouterr().out

@@ -8,7 +8,7 @@ from kvserve.bench.roofline import Roofline, matmul_gflops, read_gb_per_s
 from kvserve.bench.step import FORWARD_CATEGORIES, STEP_RANGES, matmul_weights, run_step_bench
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.model.loader import iter_weights
+from kvserve.models.loader import iter_weights
 
 LIMITS = Roofline("float32", matmul_gflops=100.0, read_gb_per_s=10.0)  # fixed: the test checks arithmetic
 

@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
-from kvserve.model import cpu_attention, cpu_ext
-from kvserve.model.attention import AttentionMetadata, TorchAttention
-from kvserve.model.cpu_attention import CpuPagedAttention
+from kvserve.kernels import build, paged_attention, prefill_attention
+from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
+from kvserve.layers.attention.cpu import CpuPagedAttention
+from kvserve.platforms.cpu import CpuPlatform
 
 BS = 16
 
 
 @pytest.fixture(scope="module", autouse=True)
 def kernel_built():
-    reason = cpu_ext.unavailable_reason()  # builds on first use (python -m kvserve.model.build_ext)
+    reason = build.unavailable_reason()  # builds on first use (python -m kvserve.kernels.build)
     if reason is not None:
         pytest.skip(f"CPU paged-attention kernel unavailable: {reason}")
 
@@ -161,15 +162,16 @@ def test_bad_block_id_raises_instead_of_reading_out_of_bounds():
 
 
 def test_unsupported_head_dim_falls_back():
-    assert cpu_attention.supports(64) and cpu_attention.supports(16) and not cpu_attention.supports(48)
-    assert isinstance(cpu_attention.select_backend(torch.device("cpu"), 48), TorchAttention)
-    assert isinstance(cpu_attention.select_backend(torch.device("cpu"), 64), CpuPagedAttention)
+    assert paged_attention.supports(64) and paged_attention.supports(16) and not paged_attention.supports(48)
+    platform = CpuPlatform(torch.device("cpu"), torch.float32)
+    assert isinstance(platform.attention_backend(48), TorchAttention)
+    assert isinstance(platform.attention_backend(64), CpuPagedAttention)
 
 
 # The AMX prefill kernel (bf16): P is rounded to bf16 before P V, as SDPA's flash kernel
 # does, so it is held to SDPA-in-bf16's bounds against the fp32 reference.
 needs_prefill_kernel = pytest.mark.skipif(
-    not cpu_attention.supports_prefill_kernel(64), reason="no AMX: the prefill kernel does not run here"
+    not prefill_attention.supports(64), reason="no AMX: the prefill kernel does not run here"
 )
 CHUNKS = [(0, 2), (0, 40), (30, 10), (50, 37), (1000, 3), (100, 365), (16, 16), (17, 64)]
 

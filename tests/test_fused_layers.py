@@ -9,10 +9,11 @@ import torch
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.model import cpu_ext, packed_linear
-from kvserve.model.packed_linear import small_batch_isa
+from kvserve.kernels import build
+from kvserve.kernels.small_batch_linear import isa as small_batch_isa
+from kvserve.layers import linear
 
-pytestmark = pytest.mark.skipif(not cpu_ext.available(), reason="kvserve's CPU kernels did not build")
+pytestmark = pytest.mark.skipif(not build.available(), reason="kvserve's CPU kernels did not build")
 
 # an AMX machine also runs the AVX512-BF16 kernel (as a CPU without AMX would, up to 4 rows);
 # fp32 runs with its AVX2 kernel where it is compiled in, and with oneDNN alone on any CPU
@@ -28,15 +29,15 @@ FOLLOW_UPS = [SYSTEM + "Q: what is two plus two, in words? A:", SYSTEM + "Q: nam
 
 def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
     model = llm.llm_engine.runner.model
-    saved = model.fused_layers
-    model.fused_layers = saved if fused else None
+    saved = model.layer_loop
+    model.layer_loop = saved if fused else None
     try:
         llm.llm_engine.reset_prefix_cache()
         params = SamplingParams(temperature=0, max_tokens=8, logprobs=0, ignore_eos=True)
         outs = llm.generate(PROMPTS + [SYSTEM], params, use_tqdm=False)
         outs += llm.generate(FOLLOW_UPS, params, use_tqdm=False)  # SYSTEM is cached by now
     finally:
-        model.fused_layers = saved
+        model.layer_loop = saved
     assert all(o.num_cached_tokens > 0 for o in outs[-len(FOLLOW_UPS) :])
     samples = [o.outputs[0] for o in outs]
     return [(s.token_ids, [lp[t].logprob for t, lp in zip(s.token_ids, s.logprobs, strict=True)]) for s in samples]
@@ -45,12 +46,12 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize(("dtype", "isa"), DTYPES_AND_ISAS)
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: bias on q/k/v
 def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, dtype, isa, monkeypatch):
-    monkeypatch.setattr(packed_linear, "small_batch_isa", lambda dtype: isa)
+    monkeypatch.setattr(linear, "small_batch_isa", lambda dtype: isa)
     model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type)
     llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
     small = model.layers[0].mlp.down_proj.small
-    assert model.fused_layers is not None and (small is None) == (isa == "")
+    assert model.layer_loop is not None and (small is None) == (isa == "")
     assert small is None or small.use_amx == (isa == "amx")
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
@@ -58,7 +59,7 @@ def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, mod
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_kernel)])
 def test_every_step_runs_the_loop(tiny_model_dir, dtype, monkeypatch):
     llm = LLM(model=str(tiny_model_dir), dtype=dtype, kv_cache_memory="16MiB")
-    fused = llm.llm_engine.runner.model.fused_layers
+    fused = llm.llm_engine.runner.model.layer_loop
     rows = []
     monkeypatch.setattr(type(fused), "__call__", lambda self, x, *a: rows.append(x.shape[0]) or [x, x])
     monkeypatch.setattr(type(llm.llm_engine.runner.model.layers[0]), "forward", lambda *a: pytest.fail("Python layers"))

@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvserve.model import cpu_ext
-from kvserve.model.layer_ops import CpuLayerOps, TorchLayerOps
+from kvserve.kernels import build
+from kvserve.kernels.layer_ops import CpuLayerOps
+from kvserve.layers.layer_ops import TorchLayerOps
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
 def kernel() -> CpuLayerOps:
-    reason = cpu_ext.unavailable_reason()
+    reason = build.unavailable_reason()
     if reason is not None:
         pytest.skip(f"CPU kernels unavailable: {reason}")
     return CpuLayerOps()

@@ -167,3 +167,21 @@ def test_greedy_tokens_from_the_fused_lm_head_match_the_logits_path(tiny_model_d
         monkeypatch.setattr(model, "greedy_tokens", lambda h, b: None)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == fused
     assert sum(fused_calls) >= 3 * 12 + 3 * 8
+
+
+def test_invariants_are_checked_whenever_the_engine_goes_idle(llm, monkeypatch):
+    """KVSERVE_CHECK_INVARIANTS=1 (set by conftest): a leaked block fails the next idle check."""
+    engine = llm.llm_engine
+    assert engine.check_invariants
+    checks = []
+    real_check = engine.kv.check_integrity
+    monkeypatch.setattr(engine.kv, "check_integrity", lambda: checks.append(1) or real_check())
+    llm.generate(["hello"], GREEDY, use_tqdm=False)
+    assert len(checks) == 1  # once: the step after which nothing was left to run
+    (leaked,) = engine.kv.pool.get_new_blocks(1)
+    try:
+        with pytest.raises(AssertionError, match="ref counts"):
+            llm.generate(["hello"], GREEDY, use_tqdm=False)
+    finally:
+        engine.kv.pool.free_blocks([leaked])
+    assert_idle(llm)

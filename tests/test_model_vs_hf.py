@@ -16,9 +16,10 @@ from conftest import make_tiny_checkpoint
 from transformers import AutoModelForCausalLM
 
 from kvserve import LLM, SamplingParams
-from kvserve.engine.llm_engine import load_model
-from kvserve.model.attention import AttentionMetadata, PrefillSeq
-from kvserve.model.loader import DEFAULT_MODEL, load_config, short_name_path
+from kvserve.config import DEFAULT_MODEL
+from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq
+from kvserve.models.loader import load_config, load_model, short_name_path
+from kvserve.platforms.cpu import CpuPlatform
 
 BLOCK = 16
 # bf16 against float32 transformers: gaps in the chosen token's logprob, in nats. Measured
@@ -31,7 +32,7 @@ BF16_SMOLLM2_MAX_GAP, BF16_SMOLLM2_MEAN_GAP = 0.3, 0.06
 def prefill_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
     """Our logits for every position of one prompt, through the paged KV cache."""
     cfg = load_config(model_dir)
-    model = load_model(model_dir, cfg, torch.float32, torch.device("cpu"))
+    model = load_model(model_dir, cfg, CpuPlatform(torch.device("cpu"), torch.float32))
     n = len(token_ids)
     blocks = -(-n // BLOCK)
     caches = [torch.zeros(2, blocks, BLOCK, cfg.num_key_value_heads, cfg.head_dim) for _ in model.layers]

@@ -8,7 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.model.packed_linear import SMALL_BATCH_MAX_ROWS, PackedLinear, SmallBatchWeight, can_pack, small_batch_isa
+from kvserve.kernels.small_batch_linear import SMALL_BATCH_MAX_ROWS, SmallBatchWeight
+from kvserve.kernels.small_batch_linear import isa as small_batch_isa
+from kvserve.layers.linear import PackedLinear, can_pack
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="no oneDNN")

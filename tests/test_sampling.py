@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvserve.engine.request import Request
-from kvserve.model.sampler import Sampler, _filtered_probs, _logits_processed, apply_penalties
+from kvserve.layers.sampler import Sampler, _filtered_probs, _logits_processed, apply_penalties
 from kvserve.sampling_params import SamplingParams
 
 EOS = 2

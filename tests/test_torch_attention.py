@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
-from kvserve.model import attention
-from kvserve.model.attention import AttentionMetadata, TorchAttention
+from kvserve.layers.attention import backend as attention
+from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
 
 BS = 16
 

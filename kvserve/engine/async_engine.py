@@ -12,18 +12,15 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
+from kvserve.engine.client import EngineDeadError, EngineLoad, ModelInfo, QueueFullError, StepHook
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.logger import logger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import SamplingParams
-
-
-class QueueFullError(RuntimeError):
-    """More requests are waiting than the server accepts (HTTP 429)."""
 
 
 @dataclass
@@ -40,16 +37,26 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _ResetPrefixCache:
+    done: asyncio.Future[bool]
+
+
 class AsyncLLMEngine:
+    """`EngineClient` over an `LLMEngine` stepped in a thread of its own."""
+
     def __init__(self, engine: LLMEngine, max_queued_requests: int | None = None):
         self.engine = engine
+        self.model_info = ModelInfo(
+            engine.config.model, engine.scheduler.config.max_model_len, engine.model_config.vocab_size
+        )
         self.max_queued_requests = max_queued_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._adds_sent = self._adds_applied = 0  # each written by one thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.on_step: list[Callable[[list[RequestOutput]], None]] = []  # metrics hooks, engine thread
+        self.on_step: list[StepHook] = []  # metrics hooks, engine thread
         self.errored: BaseException | None = None
 
     @classmethod
@@ -86,8 +93,7 @@ class AsyncLLMEngine:
         Cancelling the consumer (a client that disconnected) aborts the request and
         frees its blocks at once.
         """
-        if self.errored is not None:
-            raise RuntimeError("the engine has stopped after an error") from self.errored
+        self.check_health()
         if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
             raise QueueFullError(f"{self.num_waiting()} requests are already queued")
         if isinstance(prompt, str):  # tokenize here, not in the engine thread
@@ -107,9 +113,28 @@ class AsyncLLMEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
     def num_waiting(self) -> int:
         """Queued in the scheduler, plus handed over but not yet applied."""
         return len(self.engine.scheduler.waiting) + self._adds_sent - self._adds_applied
+
+    def load(self) -> EngineLoad:
+        core = self.engine
+        return EngineLoad(len(core.scheduler.running), self.num_waiting(), core.kv.pool.usage(), core.stats)
+
+    def unfinished_request_ids(self) -> Collection[str]:
+        return self.engine.output_processor.groups.keys()
+
+    async def reset_prefix_cache(self) -> bool:
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._commands.put(_ResetPrefixCache(done))
+        return await done
+
+    def check_health(self) -> None:
+        if self.errored is not None:
+            raise EngineDeadError("the engine has stopped after an error") from self.errored
 
     def _run(self) -> None:
         try:
@@ -138,6 +163,10 @@ class AsyncLLMEngine:
             if isinstance(cmd, _Abort):
                 self._streams.pop(cmd.request_id, None)
                 self.engine.abort_request(cmd.request_id)
+                continue
+            if isinstance(cmd, _ResetPrefixCache):
+                assert self._loop is not None
+                self._loop.call_soon_threadsafe(cmd.done.set_result, self.engine.reset_prefix_cache())
                 continue
             self._adds_applied += 1
             try:

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 
 import torch
 from torch.profiler import record_function
 
-from kvserve.config import EngineConfig, parse_memory, resolve_device, resolve_dtype
+from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
@@ -16,31 +17,19 @@ from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.stats import EngineStats
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
 from kvserve.kv_cache.prefix_cache import extra_key
+from kvserve.layers.sampler import Sampler
 from kvserve.logger import logger
-from kvserve.model.config import ModelConfig
-from kvserve.model.cpu_attention import select_backend
-from kvserve.model.layer_ops import select_layer_ops
-from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.loader import iter_weights, load_config, resolve_model
-from kvserve.model.packed_linear import can_pack
-from kvserve.model.sampler import Sampler
+from kvserve.models.loader import load_config, load_model, resolve_model
 from kvserve.outputs import RequestOutput
+from kvserve.platforms import get_platform
 from kvserve.sampling_params import SamplingParams
 from kvserve.tokenizer import load_tokenizer
 
 
-def load_model(model_dir, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    backend, ops = select_backend(device, cfg.head_dim), select_layer_ops(device, dtype)
-    logger.info("attention backend: %s, layer ops: %s", type(backend).__name__, type(ops).__name__)
-    with torch.device("meta"):  # no random init: the weights are about to be overwritten
-        model = LlamaForCausalLM(cfg, backend, ops)
-    model = model.to_empty(device="cpu")
-    model.load_weights(iter_weights(model_dir))
-    model.rotary.reset_cache()  # computed, not loaded
-    model = model.to(dtype=dtype, device=device).eval()
-    if can_pack(dtype, device):
-        model.pack_linears()
-    return model
+def check_invariants_enabled() -> bool:
+    """KVSERVE_CHECK_INVARIANTS=1 (the test suite sets it): check the KV cache's integrity
+    whenever the engine goes idle."""
+    return os.environ.get("KVSERVE_CHECK_INVARIANTS") == "1"
 
 
 class LLMEngine:
@@ -49,9 +38,9 @@ class LLMEngine:
         model_dir = resolve_model(config.model)
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        model = load_model(model_dir, self.model_config, self.dtype, self.device)
+        platform = get_platform(config.device, config.dtype)
+        self.device, self.dtype = platform.device, platform.dtype
+        model = load_model(model_dir, self.model_config, platform)
         num_blocks = self._num_blocks()
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
         self.kv = KVCacheManager(num_blocks, config.block_size, make_prefix_cache(cache_kind, config.block_size))
@@ -66,6 +55,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self._ids = itertools.count()
         self.eos_token_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
+        self.check_invariants = check_invariants_enabled()
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -121,6 +111,7 @@ class LLMEngine:
         samples = [s.request for s in group.samples.values()]
         running = [r for r in self.scheduler.running if r.group_id == request_id]
         self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), RequestStatus.FINISHED_ABORTED)
+        self._check_if_idle()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix. Refused (returns False) while requests run, as in vLLM."""
@@ -144,4 +135,11 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             outputs = self.output_processor.make_outputs(updated)
             self.stats.record_step(self.scheduler, out, updated, outputs, time.perf_counter() - start)
+        self._check_if_idle()
         return outputs
+
+    def _check_if_idle(self) -> None:
+        """With check_invariants, at idle: the pool's and the prefix cache's own invariants, and no block in use."""
+        if self.check_invariants and not self.has_unfinished_requests():
+            self.kv.check_integrity()
+            assert self.kv.pool.num_used_blocks == 0, f"{self.kv.pool.num_used_blocks} blocks in use at idle"

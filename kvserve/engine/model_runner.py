@@ -13,13 +13,13 @@ from torch.profiler import record_function
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
-from kvserve.model.attention import AttentionMetadata, PrefillSeq
-from kvserve.model.llama import LlamaForCausalLM
-from kvserve.model.sampler import Sampler
+from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq
+from kvserve.layers.sampler import Sampler
+from kvserve.models.interface import CausalLM
 
 
 def allocate_kv_caches(
-    model: LlamaForCausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> list[torch.Tensor]:
     cfg = model.config
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
@@ -29,7 +29,7 @@ def allocate_kv_caches(
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_caches: list[torch.Tensor],
         kv_cache_manager: KVCacheManager,
         sampler: Sampler,

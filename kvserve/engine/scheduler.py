@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv_cache.kv_cache_manager import BlockCopy, KVCacheManager
+from kvserve.layers.sampler import SampledToken
 
 
 @dataclass(frozen=True)
@@ -60,12 +61,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass(frozen=True)
-class SampledToken:
-    token_id: int
-    logprobs: dict | None = None  # token id -> Logprob, when the request asked for them
 
 
 class Scheduler:

@@ -10,13 +10,14 @@ inserted so later requests, and this one after a preemption, find it.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
-from kvserve.engine.request import Request
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv_cache.hash_chain_cache import HashChainCache
 from kvserve.kv_cache.prefix_cache import PrefixCache, PrefixMatch
 from kvserve.kv_cache.radix_cache import RadixCache
+from kvserve.kv_cache.request import KVRequest
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"radix": RadixCache, "hash": HashChainCache}
 
@@ -60,8 +61,8 @@ class KVCacheManager:
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.pool = BlockPool(num_blocks, evictor=prefix_cache)
-        self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by Request.seq_id
-        self.cached_prefixes: dict[int, CachedPrefix] = {}  # by Request.seq_id
+        self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by KVRequest.seq_id
+        self.cached_prefixes: dict[int, CachedPrefix] = {}  # by KVRequest.seq_id
         self.pending_copies: list[BlockCopy] = []
         self.num_cow_copies = 0
         self.prefix_stats = PrefixCacheStats()
@@ -70,17 +71,17 @@ class KVCacheManager:
     def num_tokens_capacity(self) -> int:
         return self.pool.num_blocks * self.block_size
 
-    def block_ids(self, request: Request) -> list[int]:
+    def block_ids(self, request: KVRequest) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
 
-    def match_prefix(self, request: Request) -> PrefixMatch | None:
+    def match_prefix(self, request: KVRequest) -> PrefixMatch | None:
         """The cached blocks a request with no blocks yet can start from (changes no ref count)."""
         if self.prefix_cache is None:
             return None
         usable = (request.num_tokens - 1) // self.block_size * self.block_size  # the last token's logits are needed
         return self.prefix_cache.match_prefix(request.all_token_ids[:usable], request.extra_key)
 
-    def blocks_needed(self, request: Request, num_new_tokens: int, hit: PrefixMatch | None = None) -> int:
+    def blocks_needed(self, request: KVRequest, num_new_tokens: int, hit: PrefixMatch | None = None) -> int:
         """Blocks (new ones, a copy-on-write one, evictable hits revived) that scheduling these tokens takes."""
         table = self.block_tables.get(request.seq_id, [])
         hit_blocks = hit.blocks if hit else []
@@ -89,7 +90,7 @@ class KVCacheManager:
         revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         return grow + revived + int(self._shared_tail(table, start) is not None)
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixMatch | None = None) -> bool:
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: PrefixMatch | None = None) -> bool:
         """Make room for `num_new_tokens` after the computed (and hit) ones; False, and no change, if out of blocks.
 
         `hit` (from `match_prefix`) is only given for a request that holds no blocks yet.
@@ -129,7 +130,7 @@ class KVCacheManager:
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
-    def cache_full_blocks(self, request: Request) -> None:
+    def cache_full_blocks(self, request: KVRequest) -> None:
         """Insert the blocks this request has filled since the last call (prompt and output tokens)."""
         if self.prefix_cache is None:
             return
@@ -150,7 +151,7 @@ class KVCacheManager:
                 table[i] = block
         self.cached_prefixes[request.seq_id] = CachedPrefix(handle, full)
 
-    def fork(self, parent: Request, child: Request) -> None:
+    def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """The child shares every block of the parent, the partly filled last one too."""
         table = self.block_tables[parent.seq_id]
         self.pool.incr_ref(table)
@@ -159,10 +160,19 @@ class KVCacheManager:
             done = self.cached_prefixes[parent.seq_id]
             self.cached_prefixes[child.seq_id] = CachedPrefix(done.handle, done.num_blocks)
 
-    def free(self, request: Request) -> None:
+    def free(self, request: KVRequest) -> None:
         self.cached_prefixes.pop(request.seq_id, None)
         table = self.block_tables.pop(request.seq_id, [])
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix
+
+    def check_integrity(self) -> None:
+        """The pool's and the prefix cache's invariants, and each block's ref count = the tables holding it."""
+        self.pool.check_integrity()
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity()
+        held = Counter(b.block_id for table in self.block_tables.values() for b in table)
+        wrong = [b.block_id for b in self.pool.blocks if b.ref_cnt != held[b.block_id]]
+        assert not wrong, f"blocks {wrong[:5]} have ref counts that differ from the tables holding them"
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request holds blocks."""

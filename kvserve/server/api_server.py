@@ -18,7 +18,8 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.entrypoints.cli import engine_config
+from kvserve.engine.client import EngineClient, EngineDeadError
+from kvserve.engine_args import engine_config
 from kvserve.logger import logger
 from kvserve.server.async_utils import with_cancellation
 from kvserve.server.auth import ApiKeys
@@ -101,7 +102,7 @@ async def create_chat_completion(request: ChatCompletionRequest, raw_request: Re
 async def show_available_models(raw_request: Request, tenant: Tenant) -> ModelList:
     serving = raw_request.app.state.openai_serving_chat
     card = ModelCard(
-        id=serving.served_model_name, root=serving.engine.engine.config.model, max_model_len=serving.max_model_len
+        id=serving.served_model_name, root=serving.engine.model_info.model, max_model_len=serving.max_model_len
     )
     return ModelList(data=[card])
 
@@ -120,8 +121,10 @@ async def detokenize(request: DetokenizeRequest, raw_request: Request, tenant: T
 
 @router.get("/health", response_model=HealthResponse, responses={503: {"model": ErrorResponse}})
 async def health(raw_request: Request) -> Any:
-    if raw_request.app.state.engine.errored is not None:
-        raise APIError(503, "the engine has stopped after an error", type="server_error")
+    try:
+        raw_request.app.state.engine.check_health()
+    except EngineDeadError as e:
+        raise APIError(503, str(e), type="server_error") from e
     return HealthResponse(status="ok")
 
 
@@ -137,7 +140,7 @@ async def show_version() -> VersionResponse:
 
 @asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    engine: AsyncLLMEngine = app.state.engine
+    engine: EngineClient = app.state.engine
     engine.start()
     stats_logger = asyncio.create_task(StatsLogger(engine, app.state.stats_log_interval).run())
     try:
@@ -147,7 +150,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.stop()
 
 
-def build_app(engine: AsyncLLMEngine, settings: ServerSettings) -> FastAPI:
+def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="kvserve", version=version("kvserve"), lifespan=lifespan)
     app.include_router(router)
     add_exception_handlers(app)

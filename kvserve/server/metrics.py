@@ -1,7 +1,7 @@
 """Prometheus metrics, named as vLLM's with a `kvserve:` prefix, in a registry per server.
 
-Engine counters are read from `engine.stats` at scrape time; gauges from the live
-scheduler and block pool (so an abort that freed blocks shows at once); latency
+Engine counters and gauges are read from the engine's `load()` at scrape time (so an
+abort that freed blocks shows at once); latency
 histograms are fed by an `on_step` hook in the engine thread; per-tenant counters
 by the request handlers.
 """
@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.client import EngineClient
 from kvserve.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -30,15 +30,15 @@ _TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
 class EngineCollector(Collector):
     """Gauges and counters of the engine, read when scraped."""
 
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: EngineClient):
         self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        core = self.engine.engine
-        stats = core.stats
-        yield _gauge("num_requests_running", "Sequences running on the engine.", len(core.scheduler.running))
-        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", self.engine.num_waiting())
-        yield _gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.", core.kv.pool.usage())
+        load = self.engine.load()
+        stats = load.totals
+        yield _gauge("num_requests_running", "Sequences running on the engine.", load.num_running)
+        yield _gauge("num_requests_waiting", "Requests waiting to be scheduled.", load.num_waiting)
+        yield _gauge("kv_cache_usage_perc", "KV cache usage: 1 means 100 percent.", load.kv_cache_usage)
         yield _counter(
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )
@@ -65,7 +65,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 class LatencyObserver:
     """The engine's `on_step` hook: time to first token, inter-token, end-to-end and queue latencies."""
 
-    def __init__(self, engine: AsyncLLMEngine, registry: CollectorRegistry):
+    def __init__(self, engine: EngineClient, registry: CollectorRegistry):
         self.engine = engine
         self.last_token: dict[str, float] = {}  # request id -> when its last token came (engine thread only)
         self.ttft = Histogram(
@@ -91,7 +91,7 @@ class LatencyObserver:
         now = time.monotonic()
         for out in outputs:
             self._observe(out, now)
-        live = self.engine.engine.output_processor.groups
+        live = self.engine.unfinished_request_ids()
         if len(self.last_token) > len(live):  # aborted requests never finish: forget them
             self.last_token = {rid: t for rid, t in self.last_token.items() if rid in live}
 
@@ -113,7 +113,7 @@ class LatencyObserver:
 
 
 class ServerMetrics:
-    def __init__(self, engine: AsyncLLMEngine):
+    def __init__(self, engine: EngineClient):
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
         self.latency = LatencyObserver(engine, self.registry)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from kvserve.engine.async_engine import AsyncLLMEngine, QueueFullError
+from kvserve.engine.client import EngineClient, QueueFullError
 from kvserve.logger import logger
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import SamplingParams
@@ -38,13 +38,13 @@ def random_uuid() -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, metrics: ServerMetrics, cache_secret: bytes):
+    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics, cache_secret: bytes):
         self.engine = engine
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.metrics = metrics
         self._cache_secret = cache_secret
-        self.max_model_len = engine.engine.scheduler.config.max_model_len
+        self.max_model_len = engine.model_info.max_model_len
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

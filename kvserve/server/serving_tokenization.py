@@ -26,7 +26,7 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(request.model)
-        vocab = self.engine.engine.model_config.vocab_size
+        vocab = self.engine.model_info.vocab_size
         if any(t >= vocab for t in request.tokens):
             raise bad_request(f"tokens must be token ids in [0, {vocab})", "tokens")
         return DetokenizeResponse(prompt=await asyncio.to_thread(self.tokenizer.decode, request.tokens))

@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 
-from kvserve.engine.async_engine import AsyncLLMEngine
+from kvserve.engine.client import EngineClient
 from kvserve.logger import logger
 
 
@@ -20,13 +20,13 @@ class _Totals:
 
 
 class StatsLogger:
-    def __init__(self, engine: AsyncLLMEngine, interval: float = 5.0):
+    def __init__(self, engine: EngineClient, interval: float = 5.0):
         self.engine = engine
         self.interval = interval
         self._last = self._totals()
 
     def _totals(self) -> _Totals:
-        s = self.engine.engine.stats
+        s = self.engine.load().totals
         return _Totals(
             time.monotonic(), s.prompt_tokens, s.generation_tokens, s.prefix_cache_queries, s.prefix_cache_hits
         )
@@ -39,11 +39,10 @@ class StatsLogger:
     def log(self) -> None:
         """Log what happened since the last line; nothing when the engine was idle throughout."""
         now, last = self._totals(), self._last
-        core = self.engine.engine
-        running, waiting = len(core.scheduler.running), self.engine.num_waiting()
+        load = self.engine.load()
         self._last = now
         progressed = (now.prompt_tokens, now.generation_tokens) != (last.prompt_tokens, last.generation_tokens)
-        if not (progressed or running or waiting):
+        if not (progressed or load.num_running or load.num_waiting):
             return
         elapsed = max(now.time - last.time, 1e-9)
         queries = now.queries - last.queries
@@ -53,8 +52,8 @@ class StatsLogger:
             "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
             (now.prompt_tokens - last.prompt_tokens) / elapsed,
             (now.generation_tokens - last.generation_tokens) / elapsed,
-            running,
-            waiting,
-            100 * core.kv.pool.usage(),
+            load.num_running,
+            load.num_waiting,
+            100 * load.kv_cache_usage,
             100 * hit_rate,
         )

@@ -1,0 +1,78 @@
+"""The engine as a server sees it: the one surface the HTTP layer uses (and a router or a
+prefill/decode role would), so that none of them reaches into the engine's internals.
+
+`AsyncLLMEngine` implements it over an in-process `LLMEngine`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Collection
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from kvserve.outputs import RequestOutput
+from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from kvserve.engine.stats import EngineStats
+
+
+class QueueFullError(RuntimeError):
+    """More requests are waiting than the server accepts (HTTP 429)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped after an error; no request can run (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model: str  # as configured: a short name, a directory or a .gguf file
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineLoad:
+    """What the engine is doing now (read without stopping it) and its running totals."""
+
+    num_running: int
+    num_waiting: int  # queued, including requests handed over and not yet applied
+    kv_cache_usage: float  # fraction of KV blocks in use
+    totals: EngineStats
+
+
+StepHook = Callable[[list[RequestOutput]], None]  # called in the engine thread after each step
+
+
+class EngineClient(Protocol):
+    model_info: ModelInfo
+    on_step: list[StepHook]
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    def generate(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Outputs until the request finishes; a bad request raises ValueError, a full queue
+        QueueFullError, a dead engine EngineDeadError. Closing the iterator early aborts it."""
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def load(self) -> EngineLoad: ...
+
+    def unfinished_request_ids(self) -> Collection[str]:
+        """Requests not finished yet (safe to call from a step hook)."""
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix; False (nothing dropped) while requests run."""
+
+    def check_health(self) -> None:
+        """Raises EngineDeadError once the engine has stopped after an error."""
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...

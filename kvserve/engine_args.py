@@ -1,0 +1,41 @@
+"""Engine arguments on the command line: one flag per `EngineConfig` field, and back.
+
+The CLI, the server and the benchmarks all build their engine from these flags, so a
+new `EngineConfig` field is a new flag everywhere at once, named as in vLLM
+(`max_num_seqs` -> `--max-num-seqs`; booleans get `--no-...` too).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+from kvserve.config import EngineConfig
+
+_ENGINE_HELP = {
+    "model": "directory, .gguf file or short name (smollm2-135m)",
+    "dtype": "auto | float32 | bfloat16",
+    "device": "auto | cpu | cuda",
+    "kv_cache_memory": "KV pool budget, e.g. 2GiB",
+    "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",
+    "prefix_cache": "radix (RadixAttention tree) | hash (chained block hashes)",
+    "prefill_first": "steps that admit new prompts run only their prefills; decodes wait a step "
+    "(SGLang's default: lower time to first token, one longer gap between tokens)",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field, e.g. --max-num-seqs."""
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        if f.type == "bool":  # --enable-prefix-caching / --no-enable-prefix-caching, as in vLLM
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=_ENGINE_HELP.get(f.name)
+            )
+            continue
+        kind = int if f.type in ("int", "int | None") else str
+        parser.add_argument(flag, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})

@@ -1,0 +1,42 @@
+// kvserve's CPU ops: every function torch_bindings.cpp registers, and those the files
+// call of each other's (decoder.cpp runs whole layers).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <string>
+#include <vector>
+
+namespace kvserve {
+
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+void fused_add_rms_norm(at::Tensor& out, const at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
+                        double eps);
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+void rotary_embedding(at::Tensor& q, at::Tensor& k, const at::Tensor& cos_sin);
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& context_lens, double scale);
+// paged_attention's and prefill_attention's checks of the shared arguments (int64 tables,
+// starts and lengths, int32 context lengths).
+void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
+                            const at::Tensor& query_lens, const at::Tensor& context_lens);
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                       const at::Tensor& context_lens, double scale);
+std::vector<int64_t> supported_head_dims();
+std::string vector_isa();
+void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,
+                        const c10::optional<at::Tensor>& bias, bool use_amx);
+void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                        const c10::optional<at::Tensor>& banned, bool use_amx);
+std::string small_batch_linear_isa();
+// small_batch_linear's fp32 path (AVX2 and FMA); bias: fp32 [N] or null.
+void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias);
+std::string small_batch_linear_f32_isa();
+// The DecoderLayers class (decoder.cpp), its methods listed beside it.
+void register_decoder_layers(torch::Library& m);
+
+}  // namespace kvserve

@@ -1,0 +1,553 @@
+// Paged attention on the CPU: K/V are read in place through block tables (no gather).
+//
+// One call serves a flat batch of sequences. Sequence s owns rows [start, start + qlen)
+// of q and out: its new tokens, at the end of `ctx` tokens of context (decode: qlen = 1).
+// Query i (0-based among the new tokens) attends keys [0, ctx - qlen + i]: all of the
+// cached prefix and, causally, the new tokens, whose K/V the caller has already
+// written. Rows of q that no sequence owns are left alone (the caller computes them
+// another way).
+//
+// Work items are (sequence, tile of up to kQueryTile query rows); a thread runs an
+// item's KV heads one after another. Each KV head's pass handles every query head that
+// shares it (GQA), so each K/V row is read from memory once, and keeps fp32 running
+// max / sum / output per row: online softmax over tiles of kTileTokens keys
+// (flash-decoding style), so scratch does not grow with the context. Items are handed
+// out dynamically because context lengths differ and the machine may be shared. bf16
+// caches on CPUs with AVX512-BF16 take the scores with the keys along the vector lanes.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "ops.h"
+#include "vec.h"
+
+namespace kvserve {
+namespace {
+
+constexpr int64_t kTileTokens = 64;  // keys per online-softmax step: a multiple of W
+constexpr int64_t kQueryTile = 8;    // query rows of one sequence per work item
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+static_assert(kTileTokens % W == 0, "score rows are processed in whole vectors");
+
+// What every work item reads: raw pointers and strides, checked once per call.
+template <typename T>
+struct Problem {
+  const T* q;
+  T* out;
+  int64_t q_row, q_head, out_row, out_head;  // strides of q / out [rows, heads, D]
+  const T* k;
+  const T* v;
+  int64_t c_block, c_token, c_head;  // strides of the K and V caches [blocks, block_size, heads, D]
+  const int64_t* tables;
+  int64_t table_stride, num_blocks, block_size;
+  const int64_t* query_start;  // [num_seqs] first row of each sequence in q / out
+  const int64_t* query_lens;  // [num_seqs]
+  const int32_t* context_lens;  // [num_seqs]
+  int64_t kv_heads, group;  // group: query heads per KV head
+  float scale;
+};
+
+struct Item {
+  int64_t seq, first, last;  // query rows [first, last) of seq, as indices among its new tokens
+};
+
+// bf16 caches on CPUs with AVX512-BF16 take the scores with the keys along the lanes
+// (score_tile_bf16 below); everything else the generic fp32 path.
+template <typename T, int D>
+constexpr bool kKeyLanes =
+#if KVSERVE_NATIVE_BF16
+    std::is_same_v<T, at::BFloat16> && D % 32 == 0;
+#else
+    false;
+#endif
+
+// Per-thread buffers, sized for the largest item: rows = kQueryTile * group.
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, alpha;
+  std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
+  std::vector<int64_t> limit;  // keys [0, limit) visible to each row
+  std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
+  Scratch(int64_t rows, int64_t d)
+      : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows),
+        limit(rows), keys(kTileTokens), next_keys(kTileTokens) {}
+};
+
+// The item's queries (row r = query (r / group), head r % group of the group): scaled
+// fp32 copies, or the stored bf16 for the key-lanes path; zeroed state, and each row's
+// causal limit.
+template <typename T, int D>
+int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc) {
+  const int64_t qlen = p.query_lens[it.seq], ctx = p.context_lens[it.seq];
+  int64_t r = 0;
+  for (int64_t i = it.first; i < it.last; ++i) {
+    const T* row = p.q + (p.query_start[it.seq] + i) * p.q_row;
+    for (int64_t g = 0; g < p.group; ++g, ++r) {
+      const T* src = row + (h * p.group + g) * p.q_head;
+      if constexpr (kKeyLanes<T, D>) {
+        std::memcpy(&sc.qb[r * D], src, D * sizeof(T));
+      } else {
+        for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
+      }
+      std::fill_n(&sc.acc[r * D], D, 0.f);
+      sc.m[r] = kNegInf;
+      sc.l[r] = 0.f;
+      sc.limit[r] = ctx - qlen + i + 1;
+    }
+  }
+  return r;
+}
+
+// Offsets (in elements, for KV head h) of keys [t0, t0 + n) of a sequence in the cache:
+// the only place that knows about paging.
+template <typename T>
+void locate_keys(const Problem<T>& p, int64_t seq, int64_t t0, int64_t n, int64_t h, int64_t* rows) {
+  const int64_t* table = p.tables + seq * p.table_stride;
+  int64_t b = t0 / p.block_size, off = t0 % p.block_size;
+  for (int64_t t = 0; t < n;) {
+    const int64_t block = table[b];
+    TORCH_CHECK(block >= 0 && block < p.num_blocks, "block id ", block, " out of range");
+    const int64_t base = block * p.c_block + h * p.c_head;
+    for (; off < p.block_size && t < n; ++off, ++t) rows[t] = base + off * p.c_token;
+    ++b;
+    off = 0;
+  }
+}
+
+// Ask for the next tile's K and V rows while this one is computed. Blocks sit at random
+// places in the pool, so the hardware prefetcher cannot guess where the next one is and
+// every block would otherwise start with a full memory-latency miss.
+template <typename T, int D>
+void prefetch_keys(const Problem<T>& p, const int64_t* rows, int64_t n) {
+  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+  for (int64_t t = 0; t < n; ++t) {
+    for (int64_t d = 0; d < D; d += kLine) {
+      __builtin_prefetch(p.k + rows[t] + d, 0, 2);
+      __builtin_prefetch(p.v + rows[t] + d, 0, 2);
+    }
+  }
+}
+
+// Rows are processed NR at a time, their queries or outputs held in registers (NR * NV
+// vectors: half the register file), so each K/V row is loaded and widened to fp32 once
+// for all of them rather than once per row.
+template <int D>
+constexpr int kRowBlock = std::clamp<int>((W >= 16 ? 16 : 8) / (D / W), 1, 4);
+
+template <int NR, typename F>
+void call_rows(int64_t nr, int64_t r0, F& f) {  // f<nr>(r0) for a runtime nr <= NR
+  if constexpr (NR > 0) {
+    if (nr == NR) return f(std::integral_constant<int, NR>{}, r0);
+    call_rows<NR - 1>(nr, r0, f);
+  }
+}
+
+template <int MaxNR, typename F>
+void for_row_blocks(int64_t rows, F f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += MaxNR) call_rows<MaxNR>(std::min<int64_t>(MaxNR, rows - r0), r0, f);
+}
+
+#if KVSERVE_NATIVE_BF16
+// bf16 with AVX512-BF16: scores with the keys along the vector lanes. vdpbf16ps multiplies
+// the stored bf16 key and query pairs with fp32 sums (no widening), and a 16-way
+// transposing reduction turns 16 keys' partial sums into one vector of 16 scores: ~3
+// instructions per key and row instead of a horizontal sum each. The queries stay as
+// stored (exact); the scale multiplies the 16 scores instead.
+
+// One vector whose lane i is the total of acc[slot(i)], where slot(i) = 4 * (i % 4) + i / 4
+// (the order the shuffles below leave the lanes in).
+inline __m512 reduce16(__m512* a) {
+  __m512 b[8], c[4], d[2];
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+template <int D>
+void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
+  constexpr int NQ = D / 32;  // vectors of 32 bf16 per row
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512bh q[NQ];
+    for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t t = std::min<int64_t>(t0 + i, n - 1);  // the padding repeats a key; masked later
+        const auto* key = reinterpret_cast<const uint16_t*>(p.k + sc.keys[t]);
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key), q[0]);
+        for (int j = 1; j < NQ; ++j) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key + j * 32), q[j]);
+        acc[4 * (i % 4) + i / 4] = a;
+      }
+      _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], _mm512_mul_ps(reduce16(acc), scale));
+    }
+  }
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t], in fp32. A V row of 32 bf16 widens
+// with one instruction per 16 lanes (bf16 is the top half of fp32): a shift gives the
+// even dims, a mask the odd ones. So acc holds each 32 dims as [even | odd]
+// (unpermute_acc puts them back in order).
+template <int D, int NR>
+void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / 16;
+  const __m512i odd_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 a[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    const __m512 alpha = _mm512_set1_ps(sc.alpha[r0 + i]);
+    for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(&sc.acc[(r0 + i) * D + j * 16]), alpha);
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.keys[t]);
+    __m512 v[NV];
+    for (int j = 0; j < NV / 2; ++j) {
+      const __m512i x = _mm512_loadu_si512(val + j * 32);
+      v[2 * j] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      v[2 * j + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, odd_mask));
+    }
+    for (int i = 0; i < NR; ++i) {
+      const __m512 pt = _mm512_set1_ps(sc.s[(r0 + i) * kTileTokens + t]);
+      for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pt, v[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) _mm512_storeu_ps(&sc.acc[(r0 + i) * D + j * 16], a[i][j]);
+}
+
+template <int D>
+void accumulate_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
+  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows_bf16<D, nr()>(p, n, r0, sc); });
+}
+
+// acc's [even | odd] halves of each 32 dims back in dim order, for store_output.
+template <int D>
+void unpermute_acc(Scratch& sc, int64_t rows) {
+  float tmp[D];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc = &sc.acc[r * D];
+    for (int c = 0; c < D; c += 32)
+      for (int i = 0; i < 16; ++i) tmp[c + 2 * i] = acc[c + i], tmp[c + 2 * i + 1] = acc[c + 16 + i];
+    std::memcpy(acc, tmp, sizeof(tmp));
+  }
+}
+#endif
+
+// s[r, t] = q[r] . k[t] for rows [r0, r0 + NR).
+template <typename T, int D, int NR>
+void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec q[NR][NV];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* key = p.k + sc.keys[t];
+    fVec k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
+    for (int i = 0; i < NR; ++i) {
+      fVec a = q[i][0] * k[0];
+      for (int j = 1; j < NV; ++j) a = at::vec::fmadd(q[i][j], k[j], a);
+      sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
+    }
+  }
+}
+
+template <typename T, int D>
+void score_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D>) return score_tile_bf16<D>(p, n, rows, sc);
+#endif
+  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { score_rows<T, D, nr()>(p, n, r0, sc); });
+}
+
+// Hide keys a row may not see (causal limit) and the padding up to whole vectors.
+inline void mask_tile(int64_t t0, int64_t n, int64_t rows, Scratch& sc) {
+  const int64_t padded = (n + W - 1) / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = std::clamp(sc.limit[r] - t0, int64_t{0}, n);
+    std::fill(&sc.s[r * kTileTokens + visible], &sc.s[r * kTileTokens + padded], kNegInf);
+  }
+}
+
+// Online softmax: new running max, rescale factor for the old sum and output, and the
+// tile's probabilities (unnormalised) in place of its scores. Every row sees key 0 in
+// the first tile, so the running max is finite from then on (no inf - inf).
+inline void softmax_tile(int64_t n, int64_t rows, Scratch& sc) {
+  const int64_t padded = (n + W - 1) / W * W;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = &sc.s[r * kTileTokens];
+    fVec mx(kNegInf);
+    for (int64_t t = 0; t < padded; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
+    const float m_new = std::max(sc.m[r], hmax(mx));
+    fVec sum(0.f), shift(m_new);
+    for (int64_t t = 0; t < padded; t += W) {
+      fVec e = (fVec::loadu(s + t) - shift).exp_u20();
+      e.store(s + t);
+      sum = sum + e;
+    }
+    sc.alpha[r] = std::exp(sc.m[r] - m_new);  // 0 on the first tile (m = -inf)
+    sc.l[r] = sc.l[r] * sc.alpha[r] + hsum(sum);
+    sc.m[r] = m_new;
+  }
+}
+
+// acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t] for rows [r0, r0 + NR).
+template <typename T, int D, int NR>
+void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec a[NR][NV];
+  for (int i = 0; i < NR; ++i) {
+    const fVec alpha(sc.alpha[r0 + i]);
+    for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const T* val = p.v + sc.keys[t];
+    fVec v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
+    for (int i = 0; i < NR; ++i) {
+      const fVec pt(sc.s[(r0 + i) * kTileTokens + t]);
+      for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
+    }
+  }
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
+}
+
+template <typename T, int D>
+void accumulate_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D>) return accumulate_tile_bf16<D>(p, n, rows, sc);
+#endif
+  for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows<T, D, nr()>(p, n, r0, sc); });
+}
+
+template <typename T, int D>
+void store_output(const Problem<T>& p, const Item& it, int64_t h, const Scratch& sc) {
+  int64_t r = 0;
+  for (int64_t i = it.first; i < it.last; ++i) {
+    T* row = p.out + (p.query_start[it.seq] + i) * p.out_row;
+    for (int64_t g = 0; g < p.group; ++g, ++r) {
+      T* dst = row + (h * p.group + g) * p.out_head;
+      const float inv = 1.f / sc.l[r];
+      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(sc.acc[r * D + d] * inv);
+    }
+  }
+}
+
+// Keys [0, n) of an item: up to the last row's causal limit.
+template <typename T>
+int64_t item_keys(const Problem<T>& p, const Item& it) {
+  return p.context_lens[it.seq] - p.query_lens[it.seq] + it.last;
+}
+
+// Locate keys [t0, t0 + kTileTokens) of (item, head) and start loading them.
+template <typename T, int D>
+void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t* rows) {
+  const int64_t n = std::min(kTileTokens, item_keys(p, it) - t0);
+  locate_keys(p, it.seq, t0, n, h, rows);
+  prefetch_keys<T, D>(p, rows, n);
+}
+
+// Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
+// caller; while a tile is computed the next one is fetched, and after the last tile,
+// the first tile of `then` (the thread's next work item), so loads never wait idle.
+template <typename T, int D>
+void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc) {
+  const int64_t rows = load_queries<T, D>(p, it, h, sc);
+  const int64_t keys = item_keys(p, it);
+  for (int64_t t0 = 0; t0 < keys; t0 += kTileTokens) {
+    const int64_t n = std::min(kTileTokens, keys - t0);
+    if (t0 + n < keys) {
+      fetch_tile<T, D>(p, it, h, t0 + n, sc.next_keys.data());
+    } else if (then != nullptr) {
+      fetch_tile<T, D>(p, *then, then_h, 0, sc.next_keys.data());
+    }
+    score_tile<T, D>(p, n, rows, sc);
+    mask_tile(t0, n, rows, sc);
+    softmax_tile(n, rows, sc);
+    accumulate_tile<T, D>(p, n, rows, sc);
+    std::swap(sc.keys, sc.next_keys);
+  }
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D>) unpermute_acc<D>(sc, rows);
+#endif
+  store_output<T, D>(p, it, h, sc);
+}
+
+// Split each sequence's query rows into tiles; decode rows are one item each. Longest
+// first (keys to read), so that the threads, pulling items in turn, end together: in
+// batch order a long context claimed last kept one thread busy while the other waited.
+template <typename T>
+std::vector<Item> make_items(const Problem<T>& p, int64_t num_seqs) {
+  std::vector<Item> items;
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = p.query_lens[s];
+    for (int64_t i = 0; i < qlen; i += kQueryTile) items.push_back({s, i, std::min(qlen, i + kQueryTile)});
+  }
+  std::stable_sort(items.begin(), items.end(),
+                   [&](const Item& a, const Item& b) { return item_keys(p, a) > item_keys(p, b); });
+  return items;
+}
+
+template <typename T, int D>
+void run(const Problem<T>& p, const std::vector<Item>& items) {
+  static_assert(D % W == 0, "head_dim is processed in whole vectors");
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  std::atomic<int64_t> next{0};
+  // One task per thread, each pulling whole items and running their KV heads one after
+  // another. A block holds every head's slice of a token side by side, and lines the L2
+  // streamer fetches beyond one head's slices are the next head's: with the heads of an
+  // item spread over both threads' L2s, cold steps ran 5-10% slower.
+  // Fewer items than threads (a single stream): their KV heads go to the threads one by
+  // one instead, or one thread would run the whole call while the other waited.
+  const bool by_head = n_items < at::get_num_threads();
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    Scratch sc(kQueryTile * p.group, D);
+    auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
+    if (by_head) {
+      for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
+        const Item& it = items[u / p.kv_heads];
+        const int64_t h = u % p.kv_heads;
+        fetch_tile<T, D>(p, it, h, 0, sc.keys.data());
+        attend_item<T, D>(p, it, h, nullptr, 0, sc);
+      }
+      return;
+    }
+    int64_t i = claim();
+    if (i < n_items) fetch_tile<T, D>(p, items[i], 0, 0, sc.keys.data());
+    while (i < n_items) {
+      // each head's pass prefetches the first keys of the next head, the last one those of
+      // the next item, claimed one ahead for that
+      for (int64_t h = 0; h + 1 < p.kv_heads; ++h) attend_item<T, D>(p, items[i], h, &items[i], h + 1, sc);
+      const int64_t ni = claim();
+      attend_item<T, D>(p, items[i], p.kv_heads - 1, ni < n_items ? &items[ni] : nullptr, 0, sc);
+      i = ni;
+    }
+  });
+}
+
+template <typename T>
+Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
+                        const at::Tensor& query_lens, const at::Tensor& context_lens, double scale) {
+  Problem<T> p;
+  p.q = q.const_data_ptr<T>();
+  p.out = out.mutable_data_ptr<T>();
+  p.q_row = q.stride(0), p.q_head = q.stride(1);
+  p.out_row = out.stride(0), p.out_head = out.stride(1);
+  p.k = k_cache.const_data_ptr<T>();
+  p.v = v_cache.const_data_ptr<T>();
+  p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
+  p.tables = tables.const_data_ptr<int64_t>();
+  p.table_stride = tables.stride(0);
+  p.num_blocks = k_cache.size(0), p.block_size = k_cache.size(1);
+  p.query_start = query_start.const_data_ptr<int64_t>();
+  p.query_lens = query_lens.const_data_ptr<int64_t>();
+  p.context_lens = context_lens.const_data_ptr<int32_t>();
+  p.kv_heads = k_cache.size(2), p.group = q.size(1) / k_cache.size(2);
+  p.scale = static_cast<float>(scale);
+  return p;
+}
+
+}  // namespace
+
+void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
+                            const at::Tensor& query_lens, const at::Tensor& context_lens) {
+  for (const at::Tensor* t : {&out, &q, &k_cache, &v_cache, &tables, &query_start, &query_lens, &context_lens})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: all tensors must be on the CPU");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [rows, heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+              "k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] with equal strides");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
+                  q.scalar_type() == out.scalar_type(), "q, out and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match and query heads must be a multiple of KV heads");
+  TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
+  const int64_t num_seqs = context_lens.size(0);
+  TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && query_start.numel() == num_seqs &&
+                  query_lens.numel() == num_seqs,
+              "block_tables [seqs, max_blocks], query_start, query_lens and context_lens [seqs]");
+  const auto* qs = query_start.const_data_ptr<int64_t>();
+  const auto* ql = query_lens.const_data_ptr<int64_t>();
+  const auto* ctx = context_lens.const_data_ptr<int32_t>();
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t qlen = ql[s];
+    TORCH_CHECK(qs[s] >= 0 && qlen >= 0 && qs[s] + qlen <= q.size(0), "sequence ", s, ": rows out of range");
+    TORCH_CHECK(ctx[s] >= qlen && (ctx[s] > 0 || qlen == 0), "sequence ", s, ": context shorter than its queries");
+    TORCH_CHECK(ctx[s] <= tables.size(1) * k_cache.size(1), "sequence ", s, ": context exceeds its block table");
+  }
+}
+
+namespace {
+
+// The head dims compiled in (each is a template instance); other models use the PyTorch path.
+using HeadDims = std::integer_sequence<int, 16, 32, 64, 80, 96, 128, 256>;
+
+template <typename T, int... Ds>
+void dispatch_head_dim(const Problem<T>& p, int64_t head_dim, const std::vector<Item>& items,
+                       std::integer_sequence<int, Ds...>) {
+  const bool found = ((head_dim == Ds && (run<T, Ds>(p, items), true)) || ...);
+  TORCH_CHECK(found, "paged_attention: unsupported head_dim ", head_dim);
+}
+
+template <int... Ds>
+std::vector<int64_t> head_dims(std::integer_sequence<int, Ds...>) {
+  return {Ds...};
+}
+
+}  // namespace
+
+// out[rows, heads, D] = attention of q over each sequence's paged K/V (see the top).
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                     const at::Tensor& context_lens, double scale) {
+  // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor starts = query_start.to(at::kLong).contiguous();
+  const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
+  auto launch = [&](auto zero) {
+    using T = decltype(zero);
+    auto p = make_problem<T>(out, q, k_cache, v_cache, tables, starts, qlens, lens, scale);
+    dispatch_head_dim(p, q.size(2), make_items(p, lens.size(0)), HeadDims{});
+  };
+  switch (q.scalar_type()) {
+    case at::kFloat: return launch(float{});
+    case at::kBFloat16: return launch(at::BFloat16{});
+    case at::kHalf: return launch(at::Half{});
+    default: TORCH_CHECK(false, "paged_attention: unsupported dtype ", q.scalar_type());
+  }
+}
+
+std::vector<int64_t> supported_head_dims() { return head_dims(HeadDims{}); }
+
+// Which vector ISA the kernel was compiled for (for logs and benchmarks).
+std::string vector_isa() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return "avx512";
+#elif defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
+#else
+  return "default";
+#endif
+}
+
+}  // namespace kvserve

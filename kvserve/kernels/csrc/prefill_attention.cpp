@@ -1,0 +1,360 @@
+// Flash attention for prefill chunks on AMX, reading K/V in place through block tables.
+//
+// Same contract as paged_attention (see there): sequence s owns rows [start, start +
+// qlen) of q and out, its new tokens at the end of ctx tokens of context, and query i
+// sees keys [0, ctx - qlen + i]. Only bf16, with AMX.
+//
+// Why: a chunk that follows a cached prefix otherwise goes to SDPA through a gathered
+// copy of the prefix and an additive mask, at ~0.3 TFLOP/s here; the AMX tile unit does
+// the two matmuls of each step several times faster. Layout choices, so that nothing of
+// the cache is transposed:
+// - query heads that share a KV head are folded into rows, query-major (row = i * group
+//   + g), so the causal limit only grows down the rows;
+// - scores are computed transposed, S^T = K Q^T: the A operand is 16 keys of a page
+//   exactly as the cache stores them, and the B operand is the Q tile, packed once;
+// - in S^T each vector is one key for 16 rows, so the online softmax (max, exp, sums) is
+//   element-wise across vectors, with no horizontal reductions;
+// - P is transposed back (16x16 fp32) into the A operand of O += P V, and V pages are
+//   interleaved in key pairs into the B operand, once per step for all row tiles.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "amx.h"
+#include "ops.h"
+
+namespace kvserve {
+namespace {
+
+#if KVSERVE_AMX
+
+constexpr int64_t kRows = 16;     // folded query rows per tile
+constexpr int64_t kPage = 16;     // keys per A tile of K: one page (or a 16-key part of one)
+constexpr int64_t kStep = 32;     // keys per online-softmax step: the K dim of one P V product
+constexpr int64_t kRowTiles = 8;  // row tiles per work item; they share each step's packed V and K/V reads
+constexpr int64_t kMaxHeadDim = 256;
+
+struct Problem {
+  const at::BFloat16* q;
+  at::BFloat16* out;
+  int64_t q_row, q_head, out_row, out_head;
+  const at::BFloat16* k;
+  const at::BFloat16* v;
+  int64_t c_block, c_token, c_head, block_size;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* query_start;
+  const int64_t* query_lens;
+  const int32_t* context_lens;
+  int64_t group, head_dim;
+  float scale_log2;  // softmax scale times log2(e): the softmax runs in base 2
+};
+
+struct Item {
+  int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
+};
+
+// Tiles: 0 S^T of a page, 2 K rows, 3 Q^T, 4 O, 5 P, 6 packed V; all 16 x 64 B (1 unused).
+void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 7; ++t) {
+    cfg.colsb[t] = 64;
+    cfg.rows[t] = 16;
+  }
+  load_tile_config(cfg);
+}
+
+// 2^x for x <= 0 (-inf gives ~0; callers zero masked lanes): degree-5 polynomial on the
+// fraction, exponent by scalef. Relative error ~2e-7, far below bf16's.
+inline __m512 exp2_neg(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// In-register transpose of 16 x 16 fp32 (r[i] = row i in, column i out).
+inline void transpose16(__m512 r[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+// One row tile's state: its queries as B tiles of S^T = K Q^T, and the online softmax.
+struct RowTile {
+  alignas(64) at::BFloat16 qt[kMaxHeadDim / 32][16][32];  // per 32 dims: [dim pair][row][2]
+  alignas(64) float o[kRows][kMaxHeadDim];                 // unnormalised output
+  __m512 m, l;                                             // running max (base 2) and sum, per row
+  __m512i limit;                                           // keys [0, limit) visible to each row
+  int64_t max_limit, min_limit;
+};
+
+struct Scratch {
+  std::vector<RowTile> tiles = std::vector<RowTile>(kRowTiles);
+  alignas(64) at::BFloat16 vv[kMaxHeadDim / 16][16][32];  // a step's V: per 16 dims, [key pair][dim][2]
+  alignas(64) float s[kStep][kRows];                        // S^T of a step
+  alignas(64) at::BFloat16 p[kRows][kStep];                 // P of a step, the A operand
+  alignas(64) at::BFloat16 zeros[64] = {};
+};
+
+const at::BFloat16* key_row(const Problem& p, const at::BFloat16* base, int64_t seq, int64_t t, int64_t h) {
+  const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
+  return base + block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head;
+}
+
+void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) {
+  const int64_t qlen = p.query_lens[it.seq], ctx = p.context_lens[it.seq], d = p.head_dim;
+  alignas(64) int32_t limit[kRows];
+  const at::BFloat16* src[kRows];
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t row = row0 + r, i = std::min(row, it.row0 + it.rows - 1) / p.group;
+    limit[r] = static_cast<int32_t>(ctx - qlen + i + 1);  // padding rows copy the last real one
+    src[r] = row < it.row0 + it.rows
+                 ? p.q + (p.query_start[it.seq] + i) * p.q_row + (it.head * p.group + row % p.group) * p.q_head
+                 : nullptr;
+    std::fill_n(rt.o[r], d, 0.f);
+  }
+  // Q^T per 32 dims: a 16 x 16 transpose of the rows' dim pairs (32 bits each)
+  for (int64_t c = 0; c < d / 32; ++c) {
+    __m512 v[kRows];
+    for (int64_t r = 0; r < kRows; ++r)
+      v[r] = src[r] ? _mm512_castsi512_ps(_mm512_loadu_si512(src[r] + c * 32)) : _mm512_setzero_ps();
+    transpose16(v);
+    for (int64_t j = 0; j < kRows; ++j) _mm512_store_ps(reinterpret_cast<float*>(rt.qt[c][j]), v[j]);
+  }
+  rt.limit = _mm512_load_si512(limit);
+  rt.min_limit = limit[0], rt.max_limit = limit[kRows - 1];
+  rt.m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  rt.l = _mm512_setzero_ps();
+}
+
+// V rows [t0, t0 + 32) interleaved in key pairs; keys past the context become zeros
+// (their probabilities are 0, but 0 * a stale NaN would not be).
+void pack_values(const Problem& p, const Item& it, int64_t t0, Scratch& sc) {
+  const int64_t ctx = p.context_lens[it.seq], d = p.head_dim;
+  const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                      37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+  for (int64_t kp = 0; kp < kStep / 2; ++kp) {
+    const int64_t t = t0 + 2 * kp;
+    const at::BFloat16* a = t < ctx ? key_row(p, p.v, it.seq, t, it.head) : sc.zeros;
+    const at::BFloat16* b = t + 1 < ctx ? key_row(p, p.v, it.seq, t + 1, it.head) : sc.zeros;
+    for (int64_t c = 0; c < d / 32; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + (a == sc.zeros ? 0 : c * 32));
+      const __m512i vb = _mm512_loadu_si512(b + (b == sc.zeros ? 0 : c * 32));
+      _mm512_store_si512(sc.vv[2 * c][kp], _mm512_permutex2var_epi16(va, lo, vb));
+      _mm512_store_si512(sc.vv[2 * c + 1][kp], _mm512_permutex2var_epi16(va, hi, vb));
+    }
+  }
+}
+
+// S^T [32 keys][16 rows] for keys [t0, t0 + 32); a page past the context is all -inf.
+void scores(const Problem& p, const Item& it, int64_t t0, const RowTile& rt, Scratch& sc) {
+  const int64_t ctx = p.context_lens[it.seq];
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t t = t0 + half * kPage;
+    if (t >= ctx) {
+      for (int64_t j = 0; j < kPage; ++j) _mm512_store_ps(sc.s[half * kPage + j], _mm512_set1_ps(-INFINITY));
+      continue;
+    }
+    const at::BFloat16* k = key_row(p, p.k, it.seq, t, it.head);
+    _tile_zero(0);
+    for (int64_t c = 0; c < p.head_dim / 32; ++c) {
+      _tile_loadd(2, k + c * 32, p.c_token * 2);
+      _tile_loadd(3, rt.qt[c], 64);
+      _tile_dpbf16ps(0, 2, 3);
+    }
+    _tile_stored(0, sc.s[half * kPage], 64);
+  }
+}
+
+// Online softmax over a step's scores, then O = O * alpha + P V.
+void attend_step(const Problem& p, int64_t t0, RowTile& rt, Scratch& sc) {
+  const __m512 scale = _mm512_set1_ps(p.scale_log2);
+  const bool needs_mask = t0 + kStep > rt.min_limit;
+  __m512 s[kStep];
+  __mmask16 visible[kStep];
+  __m512 m = rt.m;
+  for (int64_t j = 0; j < kStep; ++j) {
+    visible[j] = needs_mask ? _mm512_cmpgt_epi32_mask(rt.limit, _mm512_set1_epi32(static_cast<int32_t>(t0 + j)))
+                            : static_cast<__mmask16>(0xFFFF);
+    s[j] = _mm512_mask_blend_ps(visible[j], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_load_ps(sc.s[j]), scale));
+    m = _mm512_max_ps(m, s[j]);
+  }
+  const __m512 alpha = exp2_neg(_mm512_sub_ps(rt.m, m));  // rows' first step: exp2(-inf) ~ 0, O and l are 0
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < kStep; ++j) {
+    s[j] = _mm512_maskz_mov_ps(visible[j], exp2_neg(_mm512_sub_ps(s[j], m)));
+    sum = _mm512_add_ps(sum, s[j]);
+  }
+  rt.l = _mm512_fmadd_ps(rt.l, alpha, sum);
+  if (_mm512_cmpneq_ps_mask(rt.m, m)) {  // the max moved for some row: rescale its output
+    alignas(64) float a[kRows];
+    _mm512_store_ps(a, alpha);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const __m512 ar = _mm512_set1_ps(a[r]);
+      for (int64_t c = 0; c < p.head_dim; c += 16) _mm512_store_ps(rt.o[r] + c, _mm512_mul_ps(_mm512_load_ps(rt.o[r] + c), ar));
+    }
+  }
+  rt.m = m;
+  transpose16(s);
+  transpose16(s + kPage);
+  for (int64_t r = 0; r < kRows; ++r) _mm512_store_si512(sc.p[r], (__m512i)_mm512_cvtne2ps_pbh(s[kPage + r], s[r]));
+  _tile_loadd(5, sc.p, 64);
+  for (int64_t c = 0; c < p.head_dim / 16; ++c) {
+    _tile_loadd(4, rt.o[0] + c * 16, kMaxHeadDim * 4);
+    _tile_loadd(6, sc.vv[c], 64);
+    _tile_dpbf16ps(4, 5, 6);
+    _tile_stored(4, rt.o[0] + c * 16, kMaxHeadDim * 4);
+  }
+}
+
+void store_rows(const Problem& p, const Item& it, int64_t row0, const RowTile& rt) {
+  alignas(64) float l[kRows];
+  _mm512_store_ps(l, rt.l);
+  for (int64_t r = 0; r < kRows && row0 + r < it.row0 + it.rows; ++r) {
+    const int64_t row = row0 + r, i = row / p.group;
+    at::BFloat16* dst = p.out + (p.query_start[it.seq] + i) * p.out_row + (it.head * p.group + row % p.group) * p.out_head;
+    const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+    for (int64_t c = 0; c < p.head_dim; c += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + c),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_load_ps(rt.o[r] + c), inv)));
+  }
+}
+
+// Ask for the K and V rows of keys [t0, t0 + 32) while the current step is computed:
+// the cached prefix sits in random pages, out of the hardware prefetcher's sight.
+void prefetch_step(const Problem& p, const Item& it, int64_t t0) {
+  const int64_t end = std::min<int64_t>(t0 + kStep, p.context_lens[it.seq]);
+  for (int64_t t = t0; t < end; t += kPage) {
+    const int64_t block = p.tables[it.seq * p.table_stride + t / p.block_size];
+    const int64_t first = block * p.c_block + (t % p.block_size) * p.c_token + it.head * p.c_head;
+    for (int64_t j = 0; j < std::min(kPage, end - t); ++j)
+      for (int64_t d = 0; d < p.head_dim; d += 32) {
+        _mm_prefetch(reinterpret_cast<const char*>(p.k + first + j * p.c_token + d), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p.v + first + j * p.c_token + d), _MM_HINT_T1);
+      }
+  }
+}
+
+void attend_item(const Problem& p, const Item& it, Scratch& sc) {
+  const int64_t ntiles = (it.rows + kRows - 1) / kRows;
+  for (int64_t t = 0; t < ntiles; ++t) load_row_tile(p, it, it.row0 + t * kRows, sc.tiles[t]);
+  const int64_t keys = sc.tiles[ntiles - 1].max_limit;
+  for (int64_t t0 = 0; t0 < keys; t0 += kStep) {
+    prefetch_step(p, it, t0 + kStep);
+    pack_values(p, it, t0, sc);
+    for (int64_t t = 0; t < ntiles; ++t) {
+      RowTile& rt = sc.tiles[t];
+      if (t0 >= rt.max_limit) continue;  // every key of this step is in this tile's future
+      scores(p, it, t0, rt, sc);
+      attend_step(p, t0, rt, sc);
+    }
+  }
+  for (int64_t t = 0; t < ntiles; ++t) store_rows(p, it, it.row0 + t * kRows, sc.tiles[t]);
+}
+
+// Items: (sequence, KV head, up to kRowTiles row tiles), longest contexts first so
+// the threads end together. With fewer (sequence, KV head) pairs than two per thread,
+// each pair's rows are split into that many parts: a cache hit's 32-token chunk was 3
+// items (one per KV head) for 2 threads, one of which ran two while the other waited.
+std::vector<Item> make_items(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
+  std::vector<Item> items;
+  const int64_t pairs = num_seqs * kv_heads, wanted = 2 * at::get_num_threads();
+  const int64_t parts = (wanted + pairs - 1) / std::max<int64_t>(pairs, 1);  // 1 where there are enough pairs
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = p.query_lens[s] * p.group, tiles = (rows + kRows - 1) / kRows;
+    const int64_t span = kRows * std::clamp<int64_t>((tiles + parts - 1) / parts, 1, kRowTiles);
+    for (int64_t r0 = 0; r0 < rows; r0 += span)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({s, h, r0, std::min(span, rows - r0)});
+  }
+  auto keys = [&](const Item& it) { return p.context_lens[it.seq] - p.query_lens[it.seq] + (it.row0 + it.rows) / p.group; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
+  return items;
+}
+
+#endif
+
+}  // namespace
+
+// out[rows, heads, D] = attention of the chunks' queries over their paged K/V (see the top).
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
+                       const at::Tensor& context_lens, double scale) {
+#if KVSERVE_AMX
+  // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
+  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
+  const at::Tensor starts = query_start.to(at::kLong).contiguous();
+  const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
+  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && amx_permitted(), "prefill_attention: bf16 with AMX only");
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim && k_cache.size(1) % kPage == 0,
+              "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
+  Problem p;
+  p.q = q.const_data_ptr<at::BFloat16>();
+  p.out = out.mutable_data_ptr<at::BFloat16>();
+  p.q_row = q.stride(0), p.q_head = q.stride(1), p.out_row = out.stride(0), p.out_head = out.stride(1);
+  p.k = k_cache.const_data_ptr<at::BFloat16>();
+  p.v = v_cache.const_data_ptr<at::BFloat16>();
+  p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
+  p.block_size = k_cache.size(1);
+  p.tables = tables.const_data_ptr<int64_t>();
+  p.table_stride = tables.stride(0);
+  p.query_start = starts.const_data_ptr<int64_t>();
+  p.query_lens = qlens.const_data_ptr<int64_t>();
+  p.context_lens = lens.const_data_ptr<int32_t>();
+  p.group = q.size(1) / k_cache.size(2), p.head_dim = q.size(2);
+  p.scale_log2 = static_cast<float>(scale / std::log(2.0));
+  const std::vector<Item> items = make_items(p, lens.size(0), k_cache.size(2));
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    configure_tiles();
+    // kept per thread: building its 200 KB anew (zeroed, page-faulted in) cost ~7 us a call,
+    // half of a one-token chunk's whole call. On the heap, not a thread_local object: GCC
+    // specialised attend_step for that object's address, and then looked the address up
+    // (__tls_get_addr, behind a vzeroupper) on every access in its loops.
+    static thread_local std::unique_ptr<Scratch> scratch;
+    if (!scratch) scratch = std::make_unique<Scratch>();
+    Scratch& sc = *scratch;
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
+      attend_item(p, items[w], sc);
+    _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "prefill_attention needs AMX; this build has none");
+#endif
+}
+
+}  // namespace kvserve

@@ -1,0 +1,80 @@
+"""Architecture hyperparameters of a decoder-only model, read from HF config.json or GGUF."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvserve.models.registry import supported_architectures
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v projections
+    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in supported_architectures():
+            raise ValueError(
+                f"architecture {self.architecture!r} is not supported yet "
+                f"(supported: {', '.join(supported_architectures())})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face config.json dict."""
+        model_type = cfg.get("model_type", "llama")
+        heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        rope_params = cfg.get("rope_parameters") or {}  # transformers >= 5 nests theta here
+        rope_scaling = cfg.get("rope_scaling") or (
+            rope_params if rope_params.get("rope_type", "default") != "default" else None
+        )
+        return cls(
+            architecture=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", model_type == "qwen2"),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def kv_bytes_per_token(self, dtype_size: int) -> int:
+        """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
+
+    def matmul_params_per_token(self) -> int:
+        """Weights every token multiplies: each layer's projections and the LM head (2 FLOPs each)."""
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return self.num_hidden_layers * (attention + mlp) + self.vocab_size * self.hidden_size

@@ -1,0 +1,31 @@
+"""Which class runs which architecture: the checkpoint's architecture name (`model_type` in
+a Hugging Face config.json, `general.architecture` in a GGUF file) -> module and class.
+
+Adding an architecture is one module beside this one and one line here. Classes are
+imported when first asked for, so reading a config needs no model code.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_MODELS: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("llama", "LlamaForCausalLM"),
+    "qwen2": ("llama", "LlamaForCausalLM"),  # bias on q/k/v
+    "qwen3": ("llama", "LlamaForCausalLM"),  # RMSNorm on each head of q and k
+}
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_MODELS)
+
+
+def model_class(architecture: str) -> Any:
+    if architecture not in _MODELS:
+        raise ValueError(
+            f"architecture {architecture!r} is not supported yet (supported: {', '.join(supported_architectures())})"
+        )
+    module, name = _MODELS[architecture]
+    return getattr(importlib.import_module(f"kvserve.models.{module}"), name)

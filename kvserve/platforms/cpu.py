@@ -1,0 +1,93 @@
+"""The CPU platform: kvserve's compiled kernels where they build and fit, PyTorch elsewhere.
+
+- attention: `CpuPagedAttention` (the paged kernel; on AMX the prefill kernel too) for
+  the head dims the kernel is compiled for;
+- element-wise ops: the fused kernels of `kernels/layer_ops` for fp32 and bf16;
+- projections: pre-packed for oneDNN where it multiplies the dtype, and for kvserve's
+  small-batch kernel where the CPU has a path for it;
+- the C++ layer loop (`kernels/decoder`) where every op of a layer has a kernel and the
+  model describes its layers (`decoder_layer_weights`). The Python layers cost ~6 ms of
+  interpreter time per step on SmolLM2 (30 layers x ~10 small ops), and the cache
+  traffic it brings between kernels; the loop runs the same kernels in the same order
+  without it, bit for bit.
+
+Where the kernels do not build (or `KVSERVE_CPU_KERNEL=0`), everything is PyTorch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from kvserve.kernels import paged_attention, prefill_attention
+from kvserve.kernels.build import available
+from kvserve.kernels.decoder import LayerWeights, decoder_layers
+from kvserve.kernels.layer_ops import CpuLayerOps
+from kvserve.layers.attention.backend import AttentionBackend, AttentionMetadata, TorchAttention
+from kvserve.layers.attention.cpu import CpuPagedAttention
+from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
+from kvserve.layers.linear import PackedLinear, can_pack
+from kvserve.platforms.interface import Platform
+
+
+@dataclass
+class CpuPlatform(Platform):
+    def attention_backend(self, head_dim: int) -> AttentionBackend:
+        if paged_attention.supports(head_dim):
+            return CpuPagedAttention(prefill_kernel=prefill_attention.supports(head_dim))
+        return TorchAttention()
+
+    def layer_ops(self) -> LayerOps:
+        if self.dtype in (torch.float32, torch.bfloat16) and available():
+            return CpuLayerOps()
+        return TorchLayerOps()
+
+    def prepare(self, model: nn.Module) -> None:
+        """Pack the projections (and the head) once, then run the layers in C++ where every op can."""
+        if not can_pack(self.dtype, self.device):
+            return
+        model.pack_linears()
+        model.layer_loop = self.layer_loop(model)
+
+    def layer_loop(self, model: nn.Module) -> CpuLayerLoop | None:
+        """The C++ loop for this model, or None where some op of it has no kernel."""
+        cfg, layers = model.config, model.decoder_layer_weights()
+        backend = self.attention_backend(cfg.head_dim)
+        linears = [m for layer in layers or () for m in layer.projections]
+        usable = (
+            layers is not None
+            and isinstance(backend, CpuPagedAttention)
+            and isinstance(self.layer_ops(), CpuLayerOps)
+            and all(isinstance(m, PackedLinear) for m in linears)
+            and len({m.small is None for m in linears}) == 1  # all in the small-batch kernel, or none
+        )
+        return CpuLayerLoop(cfg, layers, backend) if usable else None
+
+
+class CpuLayerLoop:
+    """A step through every decoder layer in one call (`LlamaForCausalLM.layer_loop`)."""
+
+    def __init__(self, cfg: Any, layers: list[LayerWeights], backend: CpuPagedAttention):
+        self.backend = backend  # plans each step's attention as the Python layers' backend would
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head
+        self.loop = decoder_layers(
+            cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
+            layers,
+        )  # fmt: skip
+
+    def __call__(
+        self, x: torch.Tensor, cos_sin: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(last layer's MLP output, residual), as the Python layer loop returns them."""
+        batch = self.backend.plan(meta, x.dtype, kv_caches[0].shape[2])
+        long, no_bias = batch.torch_prefills, x.new_empty(0)
+        return self.loop.forward(
+            x, cos_sin, kv_caches, meta.slot_mapping,
+            batch.paged.args(), [] if batch.chunks is None else batch.chunks.args(),
+            [s.query_start for s in long], [s.query_len for s in long], [s.context_len for s in long],
+            [s.block_table for s in long],
+            [s.attn_bias(self.groups, x.dtype) if s.cached_prefix else no_bias for s in long],
+        )  # fmt: skip

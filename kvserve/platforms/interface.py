@@ -1,0 +1,28 @@
+"""A platform: the device and dtype a model runs in, and which implementation of each op
+it gets there. The base class is pure PyTorch and runs on any device (CUDA included);
+`CpuPlatform` swaps in kvserve's compiled kernels where they run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvserve.layers.attention.backend import AttentionBackend, TorchAttention
+from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
+
+
+@dataclass
+class Platform:
+    device: torch.device
+    dtype: torch.dtype
+
+    def attention_backend(self, head_dim: int) -> AttentionBackend:
+        return TorchAttention()
+
+    def layer_ops(self) -> LayerOps:
+        return TorchLayerOps()
+
+    def prepare(self, model: nn.Module) -> None:
+        """After loading: whatever makes the model faster here without changing its outputs."""
