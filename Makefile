@@ -22,6 +22,8 @@ serve: $(STAMP)
 	$(VENV)/bin/kvserve serve
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
 
 bench: $(STAMP)

@@ -81,9 +81,7 @@ def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None
         raise ValueError(f"{name} must be {bound}, got {value}")
 
 
-def _check_number(
-    name: str, value: object, lo: float, hi: float | None = None, lo_open: bool = False
-) -> None:
+def _check_number(name: str, value: object, lo: float, hi: float | None = None, lo_open: bool = False) -> None:
     if not isinstance(value, int | float) or isinstance(value, bool) or value != value:
         raise ValueError(f"{name} must be a number, got {value!r}")
     too_low = value <= lo if lo_open else value < lo

@@ -62,8 +62,26 @@ def test_cli_prints_table_and_json(tiny_model_dir, tmp_path, capsys):
     add_bench_parser(parser.add_subparsers(dest="command", required=True))
     out = tmp_path / "r.json"
     args = parser.parse_args(
-        ["bench", "throughput", "--workload", "random", "--num-prompts", "3", "--input-len", "8", "--output-len", "4",
-         "--model", str(tiny_model_dir), "--dtype", "float32", "--num-kv-blocks", "16", "--output-json", str(out)]
+        [
+            "bench",
+            "throughput",
+            "--workload",
+            "random",
+            "--num-prompts",
+            "3",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--model",
+            str(tiny_model_dir),
+            "--dtype",
+            "float32",
+            "--num-kv-blocks",
+            "16",
+            "--output-json",
+            str(out),
+        ]
     )
     args.func(args)
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])

@@ -160,8 +160,10 @@ def test_greedy_tokens_from_the_fused_lm_head_match_the_logits_path(tiny_model_d
     fused_calls = []
     greedy_tokens = model.greedy_tokens
     # min_tokens: the head skips EOS (banned ids) until the 8th token, as the sampler masks it
-    for params in (SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-                   SamplingParams(temperature=0, max_tokens=12, min_tokens=8)):
+    for params in (
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=8),
+    ):
         monkeypatch.setattr(model, "greedy_tokens", lambda h, b: fused_calls.append(len(h)) or greedy_tokens(h, b))
         fused = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         monkeypatch.setattr(model, "greedy_tokens", lambda h, b: None)

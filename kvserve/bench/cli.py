@@ -56,9 +56,7 @@ def add_prefix_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every request shares")
     p.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens of each request's own")
     p.add_argument("--output-len", type=int, default=32, help="shared-prefix: output tokens per request")
-    p.add_argument(
-        "--rounds", type=int, default=1, help="run the three modes in turn this many times; report medians"
-    )
+    p.add_argument("--rounds", type=int, default=1, help="run the three modes in turn this many times; report medians")
     p.add_argument("--output-json", type=Path, default=None)
     add_engine_args(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload sample and the engine's sampler")

@@ -50,9 +50,7 @@ def sample_random(num_prompts: int, input_len: int, output_len: int, vocab_size:
     if input_len < 1 or output_len < 1:
         raise ValueError(f"--input-len and --output-len must be >= 1, got {input_len} and {output_len}")
     rng = random.Random(seed)
-    return [
-        BenchRequest([rng.randrange(vocab_size) for _ in range(input_len)], output_len) for _ in range(num_prompts)
-    ]
+    return [BenchRequest([rng.randrange(vocab_size) for _ in range(input_len)], output_len) for _ in range(num_prompts)]
 
 
 def sharegpt_path() -> Path:

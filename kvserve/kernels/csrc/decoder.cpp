@@ -1,8 +1,8 @@
 // A step's decoder layers in one call: the same ops the Python layers run
 // (kvserve/models/llama.py), in the same order with the same roundings, minus the
 // interpreter. Each layer is ~10 small ops; their Python dispatch (module calls, views,
-// wrappers), and the caches it disturbs between kernels, cost ~6 ms of a 21 ms batch-1
-// step on SmolLM2. Projections go to small_batch_linear up to its row limit (bf16 on
+// wrappers), and the caches it disturbs between kernels, cost ~6 ms a step on SmolLM2's
+// 30 layers. Projections go to small_batch_linear up to its row limit (bf16 on
 // AVX512-BF16 or AMX, fp32 on AVX2; 0 rows where it has no path) and to oneDNN's
 // pre-packed matmul above it; attention to the kernels CpuPagedAttention picks:
 // paged_attention, prefill_attention, SDPA for long chunks where there is no AMX. Built
