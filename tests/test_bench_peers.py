@@ -339,8 +339,8 @@ def test_end_to_end_kvserve_alone(tiny_model_dir, tmp_path, capsys):
          "--num-prompts", "2", "--input-len", "8", "--output-len", "4", "--num-prompts-sharegpt", "0",
          "--num-requests", "4", "--input-words", "16", "--max-tokens", "4", "--concurrency", "2",
          "--conversations", "2", "--system-words", "32", "--question-words", "4", "--client-check-runs", "1",
-         "--client-check-requests", "3", "--step-batch-sizes", "1", "2", "--startup-timeout", "60",
-         "--run-timeout", "60"]
+         "--client-check-requests", "3", "--step-batch-sizes", "1", "2", "--startup-timeout", "180",
+         "--run-timeout", "180"]
     )  # fmt: skip
     report = json.loads((out / "peers.json").read_text())
     runs = {r["run"]: r for r in report["runs"]}

@@ -30,6 +30,7 @@ from kvserve.logger import logger
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = sorted(CSRC.glob("*.cpp"))
 EXT_NAME = "kvserve_cpu_ops"
+STALE_LOCK_S = 900.0
 
 
 def compile_flags() -> list[str]:
@@ -55,8 +56,12 @@ def _cpu_fingerprint() -> str:
 
 
 def build_dir() -> Path:
-    """Cache folder for this source + torch + flags + CPU; a change of any rebuilds."""
-    key = hashlib.sha256()
+    """Cache folder for this source (and where it lies) + torch + flags + CPU; a change of any rebuilds.
+
+    The sources' folder is part of the key: ninja's build file names the sources by path, so
+    two checkouts sharing one folder would rebuild it in turn, each waiting on the other's lock.
+    """
+    key = hashlib.sha256(str(CSRC).encode())
     files = sorted(CSRC.glob("*.[ch]*"))  # sources and headers
     for part in (*(f.read_bytes() for f in files), torch.__version__.encode(), " ".join(compile_flags()).encode()):
         key.update(part)
@@ -81,6 +86,18 @@ def _ensure_ninja() -> None:
             return
 
 
+def _remove_stale_lock(lock: Path) -> None:
+    """torch's build lock stays behind when a build is killed, and every later load then waits
+    for it forever; a build takes minutes, so a lock older than STALE_LOCK_S is removed."""
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing %s, left %.0f s ago by a build that did not finish", lock, age)
+        lock.unlink(missing_ok=True)
+
+
 @functools.cache
 def load() -> Any:
     """Build (or reuse the cached build of) the extension and return its ops namespace."""
@@ -89,6 +106,7 @@ def load() -> Any:
     _ensure_ninja()
     folder = build_dir()
     folder.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(folder / "lock")
     cpp_extension.load(
         name=EXT_NAME,
         sources=[str(s) for s in SOURCES],
