@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import itertools
 import random
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import pytest
 
 from kvserve.engine.request import Request
+from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.hash_chain_cache import HashChainCache
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
@@ -543,3 +546,79 @@ def test_radix_tree_holds_the_conversations(conversation_trees: dict[int, KVCach
     assert cache.size_info().cached_blocks > 8000
     assert num_nodes(cache) > 1000
     check(kv)
+
+
+# in flight: a prefix being computed in this step is shared by requests admitted in it
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_request_admitted_in_the_same_step_shares_the_blocks_being_filled(kind: str) -> None:
+    kv = make_kv(kind)
+    prompt = list(range(100, 114))  # 3 full blocks and 2 tokens
+    leader = new_request(prompt)
+    assert kv.allocate_slots(leader, len(prompt), kv.match_prefix(leader))
+    follower = new_request(prompt[:12] + [7, 8, 9])
+    hit = kv.match_prefix(follower)
+    assert hit is not None and hit.cached.num_blocks == 0
+    assert hit.in_flight == kv.block_tables[leader.seq_id][:3]
+    assert kv.allocate_slots(follower, follower.num_tokens - 12, hit)
+    assert kv.pool.num_used_blocks == 5  # the leader's 4, and the follower's own last block
+    other_tenant = new_request(prompt, key=extra_key("bob"))
+    assert kv.match_prefix(other_tenant).num_blocks == 0
+    for req in (leader, follower):  # the step ran: both are computed, their full blocks cached
+        req.num_computed_tokens = req.num_tokens
+        kv.cache_full_blocks(req)
+    assert kv.block_tables[follower.seq_id][:3] == kv.block_tables[leader.seq_id][:3]
+    assert not kv.in_flight and cache_of(kv).size_info().cached_blocks == 3
+    kv.free(leader)
+    kv.free(follower)
+    check(kv)
+    kv.check_integrity()
+    assert kv.pool.num_used_blocks == 0 and kv.match_prefix(new_request(prompt)).cached.num_blocks == 3
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_in_flight_blocks_start_after_the_cached_ones_and_leave_the_last_token(kind: str) -> None:
+    kv = make_kv(kind)
+    run(kv, list(range(8)))  # blocks 0-1 cached
+    leader = new_request(list(range(16)) + [50])
+    hit = kv.match_prefix(leader)
+    assert hit.cached.num_blocks == 2 and not hit.in_flight
+    assert kv.allocate_slots(leader, leader.num_tokens - 8, hit)  # fills blocks 2 and 3 this step
+    twin = new_request(list(range(16)))  # its last token (in block 3) must be computed
+    hit = kv.match_prefix(twin)
+    assert (hit.cached.num_blocks, ids(hit.in_flight)) == (2, ids(kv.block_tables[leader.seq_id][2:3]))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_freed_request_takes_its_in_flight_blocks_with_it(kind: str) -> None:
+    kv = make_kv(kind)
+    leader = new_request(list(range(12)))
+    assert kv.allocate_slots(leader, 12, kv.match_prefix(leader))
+    assert len(kv.in_flight) == 3
+    kv.free(leader)  # preempted before its step ran
+    assert not kv.in_flight and kv.match_prefix(new_request(list(range(13)))).num_blocks == 0
+
+
+def test_block_keys_are_computed_once_per_block_and_chain_the_whole_prefix() -> None:
+    kv = make_kv("radix")
+    req = admit(kv, list(range(10)))
+    assert req.block_keys == chain_keys(b"", list(range(8)), BS, b"")
+    first = list(req.block_keys)
+    for t in range(10, 17):  # decode to 17 tokens: one more full block, keys extended, not recomputed
+        req.append_output_token(t, None)
+        assert kv.allocate_slots(req, 1)
+        req.num_computed_tokens += 1
+        kv.cache_full_blocks(req)
+    assert req.block_keys[:2] == first and len(req.block_keys) == 4
+    assert req.block_keys == chain_keys(b"", list(range(16)), BS, b"")
+    assert chain_keys(b"", list(range(8)), BS, extra_key("alice")) != first  # the salt is in every key
+
+
+def test_block_keys_are_the_same_in_another_process() -> None:
+    code = (
+        "from kvserve.kv_cache.block_keys import chain_keys; from kvserve.kv_cache.prefix_cache import extra_key;"
+        "print([k.hex() for k in chain_keys(b'', list(range(40)), 16, extra_key('t'))])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
+    assert done.stdout.strip() == str([k.hex() for k in chain_keys(b"", list(range(40)), 16, extra_key("t"))])

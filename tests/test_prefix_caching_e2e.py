@@ -122,3 +122,21 @@ def test_reset_prefix_cache_refuses_while_running(engines):
         engine.step()
     assert engine.reset_prefix_cache() is True
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_requests_admitted_together_compute_a_shared_prefix_once(engines, kind):
+    """12 requests sharing a 240-token prefix in one call: the first computes it, the other 11
+    reuse its blocks in the same step (in flight), with the outputs of a run without caching."""
+    tok = engines["off"].get_tokenizer()
+    prefix = (tok.encode(SYSTEM) * 3)[:240]  # 15 whole blocks
+    prompts = [prefix + tok.encode(f" {q}") for q in QUESTIONS[:12]]
+    llm = engines[kind]
+    assert llm.llm_engine.reset_prefix_cache()
+    stats = llm.llm_engine.stats
+    before = stats.prefill_tokens_computed
+    outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert stats.prefill_tokens_computed - before == len(prompts[0]) + sum(len(p) - 240 for p in prompts[1:])
+    assert [o.num_cached_tokens for o in outs] == [0] + [240] * 11
+    reference = engines["off"].generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in reference]

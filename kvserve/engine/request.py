@@ -43,6 +43,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     max_total_tokens: int = 1 << 30  # context limit: min(max_model_len, whole pool)
     extra_key: bytes = b""  # partitions the prefix cache: digest of tenant salt, adapter
+    block_keys: list[bytes] = field(default_factory=list)  # chained keys of full blocks, kept by the KV cache
     group_id: str = ""  # the user's request id; n > 1 samples share it
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -94,6 +95,7 @@ class Request:
             sample_index=sample_index,
             output_token_ids=[],
             output_logprobs=[],
+            block_keys=list(self.block_keys),
             times=replace(self.times),
             generator=None,
         )

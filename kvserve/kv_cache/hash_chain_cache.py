@@ -1,7 +1,7 @@
 """Automatic prefix caching as in vLLM: one chained hash per full block.
 
-A block's key is SHA-256 over (its parent block's key, the extra key, its token
-ids), so it names the whole prefix up to and including the block. Matching walks
+A block's key is its chained block key (`block_keys`: SHA-256 over its parent's key, the
+extra key and its token ids), so it names the whole prefix up to and including the block. Matching walks
 the prompt block by block and stops at the first miss. Unreferenced cached blocks
 wait in an LRU list (requests release their blocks tail first, so a chain's tail
 is evicted before its parents) and stay matchable until an allocation takes them.
@@ -9,19 +9,11 @@ is evicted before its parents) and stay matchable until an allocation takes them
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections.abc import Sequence
 
+from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.block_pool import FreeBlockQueue, KVCacheBlock
 from kvserve.kv_cache.prefix_cache import CacheSize, PrefixCache, PrefixMatch
-
-
-def block_hash(parent: bytes, token_ids: Sequence[int], extra_key: bytes) -> bytes:
-    h = hashlib.sha256(parent)
-    h.update(extra_key)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
 
 
 class HashChainCache(PrefixCache):
@@ -31,16 +23,15 @@ class HashChainCache(PrefixCache):
         self.hash_of: dict[int, bytes] = {}  # block id -> its key
         self.evictable = FreeBlockQueue([])
 
-    def _hashes(self, parent: bytes, token_ids: Sequence[int], extra_key: bytes):
-        bs = self.block_size
-        for i in range(len(token_ids) // bs):
-            parent = block_hash(parent, token_ids[i * bs : (i + 1) * bs], extra_key)
-            yield parent
+    def _keys(self, parent: bytes, token_ids: Sequence[int], extra_key: bytes, keys: Sequence[bytes] | None):
+        return chain_keys(parent, token_ids, self.block_size, extra_key) if keys is None else keys
 
-    def match_prefix(self, token_ids: Sequence[int], extra_key: bytes) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_key: bytes, block_keys: Sequence[bytes] | None = None
+    ) -> PrefixMatch:
         blocks: list[KVCacheBlock] = []
         last = b""
-        for h in self._hashes(b"", token_ids, extra_key):
+        for h in self._keys(b"", token_ids, extra_key, block_keys):
             block = self.blocks_by_hash.get(h)
             if block is None:
                 break
@@ -49,11 +40,16 @@ class HashChainCache(PrefixCache):
         return PrefixMatch(blocks, last)
 
     def insert(
-        self, handle: object, token_ids: Sequence[int], blocks: list[KVCacheBlock], extra_key: bytes
+        self,
+        handle: object,
+        token_ids: Sequence[int],
+        blocks: list[KVCacheBlock],
+        extra_key: bytes,
+        block_keys: Sequence[bytes] | None = None,
     ) -> tuple[object, list[KVCacheBlock]]:
         assert isinstance(handle, bytes)
         held = []
-        for h, block in zip(self._hashes(handle, token_ids, extra_key), blocks, strict=True):
+        for h, block in zip(self._keys(handle, token_ids, extra_key, block_keys), blocks, strict=True):
             if h not in self.blocks_by_hash:
                 self.blocks_by_hash[h] = block
                 self.hash_of[block.block_id] = h

@@ -6,6 +6,13 @@ request finishes, is aborted or preempted. A failed allocation changes nothing.
 With a prefix cache, a new request starts from the cached blocks of its longest
 cached prefix, and every block that fills (prompt or generated tokens) is
 inserted so later requests, and this one after a preemption, find it.
+
+A prefix no request has finished computing is shared too: the full blocks a step will
+fill are registered, by their chained keys, as they are allocated ("in flight"), and a
+request admitted in the same step continues its match through them. Its attention reads
+them in the same forward, after they are written: every layer writes the step's new K/V
+before it attends. So requests that arrive together compute a shared prefix once, with
+no one waiting for another (SGLang instead defers the followers by a step).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from kvserve.kv_cache.block_keys import extend_keys
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv_cache.hash_chain_cache import HashChainCache
 from kvserve.kv_cache.prefix_cache import PrefixCache, PrefixMatch
@@ -50,6 +58,23 @@ class CachedPrefix:
     num_blocks: int
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    """A new request's reusable prefix: what the prefix cache holds, then blocks that
+    requests scheduled in this step are computing."""
+
+    cached: PrefixMatch
+    in_flight: list[KVCacheBlock]
+
+    @property
+    def blocks(self) -> list[KVCacheBlock]:
+        return self.cached.blocks + self.in_flight
+
+    @property
+    def num_blocks(self) -> int:
+        return self.cached.num_blocks + len(self.in_flight)
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up at admission
@@ -64,6 +89,8 @@ class KVCacheManager:
         self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by KVRequest.seq_id
         self.cached_prefixes: dict[int, CachedPrefix] = {}  # by KVRequest.seq_id
         self.pending_copies: list[BlockCopy] = []
+        self.in_flight: dict[bytes, KVCacheBlock] = {}  # block key -> block being filled this step
+        self.in_flight_key: dict[int, bytes] = {}  # block id -> its key there
         self.num_cow_copies = 0
         self.prefix_stats = PrefixCacheStats()
 
@@ -74,14 +101,28 @@ class KVCacheManager:
     def block_ids(self, request: KVRequest) -> list[int]:
         return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
 
-    def match_prefix(self, request: KVRequest) -> PrefixMatch | None:
-        """The cached blocks a request with no blocks yet can start from (changes no ref count)."""
+    def match_prefix(self, request: KVRequest) -> PrefixHit | None:
+        """The blocks a request with no blocks yet can start from: cached, then in flight (changes no ref count)."""
         if self.prefix_cache is None:
             return None
-        usable = (request.num_tokens - 1) // self.block_size * self.block_size  # the last token's logits are needed
-        return self.prefix_cache.match_prefix(request.all_token_ids[:usable], request.extra_key)
+        usable = (request.num_tokens - 1) // self.block_size  # blocks: the last token's logits are needed
+        keys = self._block_keys(request, usable)
+        cached = self.prefix_cache.match_prefix(
+            request.all_token_ids[: usable * self.block_size], request.extra_key, keys
+        )
+        in_flight = []
+        for key in keys[cached.num_blocks :]:
+            if key not in self.in_flight:
+                break
+            in_flight.append(self.in_flight[key])
+        return PrefixHit(cached, in_flight)
 
-    def blocks_needed(self, request: KVRequest, num_new_tokens: int, hit: PrefixMatch | None = None) -> int:
+    def _block_keys(self, request: KVRequest, num_blocks: int) -> list[bytes]:
+        """The chained keys of the request's first `num_blocks` blocks, computed once each."""
+        extend_keys(request.block_keys, request.all_token_ids, num_blocks, self.block_size, request.extra_key)
+        return request.block_keys[:num_blocks]
+
+    def blocks_needed(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         """Blocks (new ones, a copy-on-write one, evictable hits revived) that scheduling these tokens takes."""
         table = self.block_tables.get(request.seq_id, [])
         hit_blocks = hit.blocks if hit else []
@@ -90,7 +131,7 @@ class KVCacheManager:
         revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
         return grow + revived + int(self._shared_tail(table, start) is not None)
 
-    def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: PrefixMatch | None = None) -> bool:
+    def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make room for `num_new_tokens` after the computed (and hit) ones; False, and no change, if out of blocks.
 
         `hit` (from `match_prefix`) is only given for a request that holds no blocks yet.
@@ -101,7 +142,7 @@ class KVCacheManager:
         if hit is not None:
             self.pool.incr_ref(hit.blocks)  # before allocating, so eviction cannot take them
             table.extend(hit.blocks)
-            self.cached_prefixes[request.seq_id] = CachedPrefix(hit.handle, hit.num_blocks)
+            self.cached_prefixes[request.seq_id] = CachedPrefix(hit.cached.handle, hit.cached.num_blocks)
         start = request.num_computed_tokens + (hit.num_blocks * self.block_size if hit else 0)
         shared = self._shared_tail(table, start)
         if shared is not None:
@@ -109,7 +150,25 @@ class KVCacheManager:
         grow = cdiv(start + num_new_tokens, self.block_size) - len(table)
         if grow > 0:
             table.extend(self.pool.get_new_blocks(grow))
+        self._register_in_flight(request, table, start, start + num_new_tokens)
         return True
+
+    def _register_in_flight(self, request: KVRequest, table: list[KVCacheBlock], start: int, end: int) -> None:
+        """The blocks tokens [start, end) fill, matchable by requests admitted in the same step."""
+        if self.prefix_cache is None:
+            return
+        first, last = start // self.block_size, end // self.block_size
+        keys = self._block_keys(request, last)
+        for i in range(first, last):
+            if keys[i] not in self.in_flight and not table[i].cached:
+                self.in_flight[keys[i]] = table[i]
+                self.in_flight_key[table[i].block_id] = keys[i]
+
+    def _drop_in_flight(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            key = self.in_flight_key.pop(block.block_id, None)
+            if key is not None:
+                del self.in_flight[key]
 
     def _shared_tail(self, table: list[KVCacheBlock], start: int) -> int | None:
         """Index of the partly filled block the next token goes into, if others share it."""
@@ -143,7 +202,11 @@ class KVCacheManager:
             return
         bs = self.block_size
         tokens = request.all_token_ids[done.num_blocks * bs : full * bs]
-        handle, held = self.prefix_cache.insert(done.handle, tokens, table[done.num_blocks : full], request.extra_key)
+        keys = self._block_keys(request, full)[done.num_blocks :]
+        self._drop_in_flight(table[done.num_blocks : full])  # computed now: the cache holds them
+        handle, held = self.prefix_cache.insert(
+            done.handle, tokens, table[done.num_blocks : full], request.extra_key, keys
+        )
         for i, block in enumerate(held, start=done.num_blocks):
             if block is not table[i]:  # someone cached this prefix first: share theirs, drop ours
                 self.pool.incr_ref([block])
@@ -163,16 +226,22 @@ class KVCacheManager:
     def free(self, request: KVRequest) -> None:
         self.cached_prefixes.pop(request.seq_id, None)
         table = self.block_tables.pop(request.seq_id, [])
+        self._drop_in_flight(table)
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix
 
     def check_integrity(self) -> None:
-        """The pool's and the prefix cache's invariants, and each block's ref count = the tables holding it."""
+        """The pool's and the prefix cache's invariants, each block's ref count = the tables holding
+        it, and the in-flight blocks held and not yet cached."""
         self.pool.check_integrity()
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity()
         held = Counter(b.block_id for table in self.block_tables.values() for b in table)
         wrong = [b.block_id for b in self.pool.blocks if b.ref_cnt != held[b.block_id]]
         assert not wrong, f"blocks {wrong[:5]} have ref counts that differ from the tables holding them"
+        assert {b.block_id: k for k, b in self.in_flight.items()} == self.in_flight_key, "in-flight maps disagree"
+        assert all(b.ref_cnt > 0 and not b.cached for b in self.in_flight.values()), (
+            "an in-flight block is free or already cached"
+        )
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request holds blocks."""

@@ -51,14 +51,25 @@ class PrefixCache(ABC):
         self.num_evictions = 0  # cumulative, blocks
 
     @abstractmethod
-    def match_prefix(self, token_ids: Sequence[int], extra_key: bytes) -> PrefixMatch:
-        """Longest cached prefix of `token_ids` (whole blocks only). Changes no ref count."""
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_key: bytes, block_keys: Sequence[bytes] | None = None
+    ) -> PrefixMatch:
+        """Longest cached prefix of `token_ids` (whole blocks only). Changes no ref count.
+
+        `block_keys`, where the caller has them, are the chained keys of `token_ids`' blocks
+        (`block_keys.chain_keys`); a cache keyed by them need not compute them again."""
 
     @abstractmethod
     def insert(
-        self, handle: object, token_ids: Sequence[int], blocks: list[KVCacheBlock], extra_key: bytes
+        self,
+        handle: object,
+        token_ids: Sequence[int],
+        blocks: list[KVCacheBlock],
+        extra_key: bytes,
+        block_keys: Sequence[bytes] | None = None,
     ) -> tuple[object, list[KVCacheBlock]]:
-        """Cache full `blocks` holding `token_ids`, continuing the prefix at `handle`.
+        """Cache full `blocks` holding `token_ids` (whose chained keys are `block_keys`, if
+        given), continuing the prefix at `handle`.
 
         Returns the new handle and, per block, the block the cache now holds for it:
         the same one, or an already cached copy of the same prefix (the caller then

@@ -87,7 +87,9 @@ class RadixCache(PrefixCache):
             node = child
         return node, i, blocks
 
-    def match_prefix(self, token_ids: Sequence[int], extra_key: bytes) -> PrefixMatch:
+    def match_prefix(
+        self, token_ids: Sequence[int], extra_key: bytes, block_keys: Sequence[bytes] | None = None
+    ) -> PrefixMatch:
         node, _, blocks = self._walk(self._root(extra_key), token_ids, 0)
         return PrefixMatch(blocks, node)
 
@@ -103,7 +105,12 @@ class RadixCache(PrefixCache):
         return top
 
     def insert(
-        self, handle: object, token_ids: Sequence[int], blocks: list[KVCacheBlock], extra_key: bytes
+        self,
+        handle: object,
+        token_ids: Sequence[int],
+        blocks: list[KVCacheBlock],
+        extra_key: bytes,
+        block_keys: Sequence[bytes] | None = None,
     ) -> tuple[object, list[KVCacheBlock]]:
         assert isinstance(handle, RadixNode) and len(token_ids) == len(blocks) * self.block_size
         node, i, held = self._walk(handle, token_ids, 0)

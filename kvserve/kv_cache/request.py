@@ -26,3 +26,7 @@ class KVRequest(Protocol):
     @property
     def extra_key(self) -> bytes:
         """What partitions the prefix cache besides tokens: digest of tenant salt, adapter."""
+
+    # the chained keys of the request's first full blocks (`block_keys`), which the manager
+    # extends as blocks fill; a fork starts with a copy of its parent's
+    block_keys: list[bytes]
