@@ -106,7 +106,7 @@ class KVCacheManager:
         if self.prefix_cache is None:
             return None
         usable = (request.num_tokens - 1) // self.block_size  # blocks: the last token's logits are needed
-        keys = self._block_keys(request, usable)
+        keys = self._block_keys(request, usable)[:usable]
         cached = self.prefix_cache.match_prefix(
             request.all_token_ids[: usable * self.block_size], request.extra_key, keys
         )
@@ -118,9 +118,9 @@ class KVCacheManager:
         return PrefixHit(cached, in_flight)
 
     def _block_keys(self, request: KVRequest, num_blocks: int) -> list[bytes]:
-        """The chained keys of the request's first `num_blocks` blocks, computed once each."""
+        """The request's chained block keys, its first `num_blocks` at least (each computed once)."""
         extend_keys(request.block_keys, request.all_token_ids, num_blocks, self.block_size, request.extra_key)
-        return request.block_keys[:num_blocks]
+        return request.block_keys
 
     def blocks_needed(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         """Blocks (new ones, a copy-on-write one, evictable hits revived) that scheduling these tokens takes."""
@@ -155,9 +155,9 @@ class KVCacheManager:
 
     def _register_in_flight(self, request: KVRequest, table: list[KVCacheBlock], start: int, end: int) -> None:
         """The blocks tokens [start, end) fill, matchable by requests admitted in the same step."""
-        if self.prefix_cache is None:
-            return
         first, last = start // self.block_size, end // self.block_size
+        if self.prefix_cache is None or first == last:  # most decodes fill no block
+            return
         keys = self._block_keys(request, last)
         for i in range(first, last):
             if keys[i] not in self.in_flight and not table[i].cached:
@@ -202,7 +202,7 @@ class KVCacheManager:
             return
         bs = self.block_size
         tokens = request.all_token_ids[done.num_blocks * bs : full * bs]
-        keys = self._block_keys(request, full)[done.num_blocks :]
+        keys = self._block_keys(request, full)[done.num_blocks : full]
         self._drop_in_flight(table[done.num_blocks : full])  # computed now: the cache holds them
         handle, held = self.prefix_cache.insert(
             done.handle, tokens, table[done.num_blocks : full], request.extra_key, keys
