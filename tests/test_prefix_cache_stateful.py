@@ -103,11 +103,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
     def _compute(self, req: Request, n: int, next_token: int) -> None:
         """One step's forward for n tokens, then what update_from_output does."""
+        self._write(req, n)
+        self._update(req, n, next_token)
+
+    def _write(self, req: Request, n: int) -> None:
+        """The forward's K/V writes for n tokens (copy-on-write copies first)."""
         for copy in self.kv.take_pending_copies():
             self.store[copy.dst] = list(self.store[copy.src])
         table = self.kv.block_tables[req.seq_id]
         for pos in range(req.num_computed_tokens, req.num_computed_tokens + n):
             self.store[table[pos // self.bs].block_id][pos % self.bs] = slot(req, pos)
+
+    def _update(self, req: Request, n: int, next_token: int) -> None:
         req.num_computed_tokens += n
         self.kv.cache_full_blocks(req)
         self.not_inserted.discard(req.seq_id)
@@ -171,6 +178,40 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         child.append_output_token(tokens[1], None)
         self.not_inserted.add(child.seq_id)
         self.running += [req, child]
+
+    @rule(
+        prefix=st.lists(st.integers(3, 9), min_size=2, max_size=12),  # mostly not cached yet
+        suffixes=st.tuples(st.lists(TOKENS, max_size=5), st.lists(TOKENS, max_size=5)),
+        salt=st.sampled_from(SALTS),
+        same_salt=st.booleans(),
+        chunks=st.tuples(st.integers(1, 20), st.integers(1, 20)),
+        next_token=TOKENS,
+    )
+    def admit_together(self, prefix, suffixes, salt, same_salt, chunks, next_token) -> None:
+        """Two requests admitted in one step: the second may match blocks the first is filling
+        (in flight, same salt only); after the step's forward both tables hold their own prefixes."""
+        salts = (salt, salt if same_salt else extra_key("tenant-c"))
+        admitted = []
+        for suffix, key, chunk in zip(suffixes, salts, chunks, strict=True):
+            req = self._new_request(prefix + suffix, key)
+            hit = self.kv.match_prefix(req)
+            assert hit is not None
+            cached = hit.num_blocks * self.bs
+            assert cached < req.num_tokens
+            assert all(b.ref_cnt > 0 for b in hit.in_flight)
+            n = min(chunk, req.num_tokens - cached)
+            if self._allocate(req, n, hit):
+                req.num_computed_tokens = cached
+                admitted.append((req, n))
+        for req, n in admitted:  # the step's forward writes every new K/V before any attention reads
+            self._write(req, n)
+        for req, n in admitted:  # what each one's attention reads: its whole context
+            self._check_holds(req, self.kv.block_tables[req.seq_id], req.num_computed_tokens + n)
+        for req, n in admitted:  # then update_from_output, in admission order
+            self._update(req, n, next_token)
+            self.running.append(req)
+        assert not self.kv.in_flight
+        self.kv.check_integrity()
 
     @precondition(lambda self: self.waiting)
     @rule(data=st.data(), chunk=st.integers(1, 20), next_token=TOKENS)
