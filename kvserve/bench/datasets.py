@@ -43,7 +43,7 @@ def load_workload(
         return sample_sharegpt(load_tokenizer(model_dir), num_prompts, seed)
     if name == "random":
         return sample_random(num_prompts, input_len, output_len, load_config(model_dir).vocab_size, seed)
-    raise ValueError(f"unknown workload {name!r} (sharegpt, random)")
+    raise ValueError(f"unknown workload {name!r} ({', '.join(OFFLINE_WORKLOADS)})")
 
 
 def sample_random(num_prompts: int, input_len: int, output_len: int, vocab_size: int, seed: int) -> list[BenchRequest]:

@@ -1,8 +1,8 @@
 """Automatic prefix caching as in vLLM: one chained hash per full block.
 
-A block's key is its chained block key (`block_keys`: SHA-256 over its parent's key, the
-extra key and its token ids), so it names the whole prefix up to and including the block. Matching walks
-the prompt block by block and stops at the first miss. Unreferenced cached blocks
+A block's key is its chained block key (`block_keys`: SHA-256 over its parent's key,
+the extra key and its token ids), so it names the whole prefix up to and including the
+block. Matching walks the prompt block by block and stops at the first miss. Unreferenced cached blocks
 wait in an LRU list (requests release their blocks tail first, so a chain's tail
 is evicted before its parents) and stay matchable until an allocation takes them.
 """

@@ -90,7 +90,6 @@ class KVCacheManager:
         self.cached_prefixes: dict[int, CachedPrefix] = {}  # by KVRequest.seq_id
         self.pending_copies: list[BlockCopy] = []
         self.in_flight: dict[bytes, KVCacheBlock] = {}  # block key -> block being filled this step
-        self.in_flight_key: dict[int, bytes] = {}  # block id -> its key there
         self.num_cow_copies = 0
         self.prefix_stats = PrefixCacheStats()
 
@@ -162,12 +161,11 @@ class KVCacheManager:
         for i in range(first, last):
             if keys[i] not in self.in_flight and not table[i].cached:
                 self.in_flight[keys[i]] = table[i]
-                self.in_flight_key[table[i].block_id] = keys[i]
 
-    def _drop_in_flight(self, blocks: list[KVCacheBlock]) -> None:
-        for block in blocks:
-            key = self.in_flight_key.pop(block.block_id, None)
-            if key is not None:
+    def _drop_in_flight(self, request: KVRequest, table: list[KVCacheBlock], first: int, last: int) -> None:
+        """Forget table[first:last]'s in-flight entries: computed now, or their request freed."""
+        for key, block in zip(request.block_keys[first:last], table[first:last], strict=False):
+            if self.in_flight.get(key) is block:
                 del self.in_flight[key]
 
     def _shared_tail(self, table: list[KVCacheBlock], start: int) -> int | None:
@@ -203,7 +201,7 @@ class KVCacheManager:
         bs = self.block_size
         tokens = request.all_token_ids[done.num_blocks * bs : full * bs]
         keys = self._block_keys(request, full)[done.num_blocks : full]
-        self._drop_in_flight(table[done.num_blocks : full])  # computed now: the cache holds them
+        self._drop_in_flight(request, table, done.num_blocks, full)  # computed now: the cache holds them
         handle, held = self.prefix_cache.insert(
             done.handle, tokens, table[done.num_blocks : full], request.extra_key, keys
         )
@@ -226,7 +224,7 @@ class KVCacheManager:
     def free(self, request: KVRequest) -> None:
         self.cached_prefixes.pop(request.seq_id, None)
         table = self.block_tables.pop(request.seq_id, [])
-        self._drop_in_flight(table)
+        self._drop_in_flight(request, table, 0, len(table))
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix
 
     def check_integrity(self) -> None:
@@ -238,7 +236,6 @@ class KVCacheManager:
         held = Counter(b.block_id for table in self.block_tables.values() for b in table)
         wrong = [b.block_id for b in self.pool.blocks if b.ref_cnt != held[b.block_id]]
         assert not wrong, f"blocks {wrong[:5]} have ref counts that differ from the tables holding them"
-        assert {b.block_id: k for k, b in self.in_flight.items()} == self.in_flight_key, "in-flight maps disagree"
         assert all(b.ref_cnt > 0 and not b.cached for b in self.in_flight.values()), (
             "an in-flight block is free or already cached"
         )

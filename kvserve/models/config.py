@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvserve.models.registry import supported_architectures
+from kvserve.models.registry import check_supported
 
 
 @dataclass(frozen=True)
@@ -29,11 +29,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
-        if self.architecture not in supported_architectures():
-            raise ValueError(
-                f"architecture {self.architecture!r} is not supported yet "
-                f"(supported: {', '.join(supported_architectures())})"
-            )
+        check_supported(self.architecture)
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
 

@@ -157,6 +157,6 @@ class LlamaForCausalLM(nn.Module):
                 layer.self_attn.o_proj,
                 layer.mlp.gate_up_proj,
                 layer.mlp.down_proj,
-            )  # fmt: skip
+            )
             for layer in self.layers
         ]

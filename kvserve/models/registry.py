@@ -18,14 +18,12 @@ _MODELS: dict[str, tuple[str, str]] = {
 }
 
 
-def supported_architectures() -> tuple[str, ...]:
-    return tuple(_MODELS)
+def check_supported(architecture: str) -> None:
+    if architecture not in _MODELS:
+        raise ValueError(f"architecture {architecture!r} is not supported yet (supported: {', '.join(_MODELS)})")
 
 
 def model_class(architecture: str) -> Any:
-    if architecture not in _MODELS:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported yet (supported: {', '.join(supported_architectures())})"
-        )
+    check_supported(architecture)
     module, name = _MODELS[architecture]
     return getattr(importlib.import_module(f"kvserve.models.{module}"), name)

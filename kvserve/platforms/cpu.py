@@ -41,9 +41,10 @@ class CpuPlatform(Platform):
         return TorchAttention()
 
     def layer_ops(self) -> LayerOps:
-        if self.dtype in (torch.float32, torch.bfloat16) and available():
-            return CpuLayerOps()
-        return TorchLayerOps()
+        return CpuLayerOps() if self._fused_ops() else TorchLayerOps()
+
+    def _fused_ops(self) -> bool:
+        return self.dtype in (torch.float32, torch.bfloat16) and available()
 
     def prepare(self, model: nn.Module) -> None:
         """Pack the projections (and the head) once, then run the layers in C++ where every op can."""
@@ -55,12 +56,12 @@ class CpuPlatform(Platform):
     def layer_loop(self, model: nn.Module) -> CpuLayerLoop | None:
         """The C++ loop for this model, or None where some op of it has no kernel."""
         cfg, layers = model.config, model.decoder_layer_weights()
-        backend = self.attention_backend(cfg.head_dim)
+        backend = self.attention_backend(cfg.head_dim)  # the loop's own planner, as the layers' backend plans
         linears = [m for layer in layers or () for m in layer.projections]
         usable = (
             layers is not None
             and isinstance(backend, CpuPagedAttention)
-            and isinstance(self.layer_ops(), CpuLayerOps)
+            and self._fused_ops()
             and all(isinstance(m, PackedLinear) for m in linears)
             and len({m.small is None for m in linears}) == 1  # all in the small-batch kernel, or none
         )
