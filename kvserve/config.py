@@ -19,13 +19,13 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVSERVE_CACHE_DIR", Path.home() / ".cache" / "kvserve"))
 
 
-def parse_memory(value: str | int) -> int:
+def parse_memory(value: str | int, name: str = "kv_cache_memory") -> int:
     """'2GiB', '512MB', 1073741824 -> bytes."""
     if isinstance(value, int):
         return value
     m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", value)
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"kv_cache_memory must look like '2GiB' or '512MB', got {value!r}")
+        raise ValueError(f"{name} must look like '2GiB' or '512MB', got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
@@ -43,6 +43,12 @@ class EngineConfig:
     prefill_first: bool = False  # SGLang's policy: new prompts' prefills get steps of their own
     enable_prefix_caching: bool = True
     prefix_cache: str = "radix"  # "radix" (RadixAttention tree) or "hash" (chained block hashes)
+    # KV tiers below the device pool (kv_cache/tiers); 0 turns one off
+    kv_host_memory: str | int | None = None  # default: off on a CPU (the pool is host RAM), 4GiB on an accelerator
+    kv_disk_dir: str | None = None  # default: <cache root>/kv
+    kv_disk_size: str | int | None = None  # default: $KVSERVE_KV_DISK_SIZE, else 2GiB
+    kv_remote: str | None = None  # redis://[:password@]host:port/db, or rediss://
+    kv_write_policy: str = "write_back"  # or write_through (SGLang's names)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -54,3 +60,22 @@ class EngineConfig:
             raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {self.prefix_cache!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        for name in ("kv_host_memory", "kv_disk_size"):
+            value = getattr(self, name)
+            if value is not None and parse_memory(value, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if self.kv_remote is not None and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"kv_remote must be a redis://, rediss:// or unix:// URL, got {self.kv_remote!r}")
+        if self.kv_write_policy not in ("write_back", "write_through"):
+            raise ValueError(f"kv_write_policy must be 'write_back' or 'write_through', got {self.kv_write_policy!r}")
+
+    def kv_disk_path(self) -> Path:
+        return Path(self.kv_disk_dir).expanduser() if self.kv_disk_dir else cache_root() / "kv"
+
+    def kv_disk_bytes(self) -> int:
+        size = self.kv_disk_size if self.kv_disk_size is not None else os.environ.get("KVSERVE_KV_DISK_SIZE", "2GiB")
+        return parse_memory(size, "kv_disk_size")
+
+    def kv_host_bytes(self, on_accelerator: bool) -> int:
+        default = "4GiB" if on_accelerator else 0
+        return parse_memory(self.kv_host_memory if self.kv_host_memory is not None else default, "kv_host_memory")

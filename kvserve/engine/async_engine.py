@@ -118,11 +118,14 @@ class AsyncLLMEngine:
 
     def num_waiting(self) -> int:
         """Queued in the scheduler, plus handed over but not yet applied."""
-        return len(self.engine.scheduler.waiting) + self._adds_sent - self._adds_applied
+        return self.engine.scheduler.num_waiting + self._adds_sent - self._adds_applied
 
     def load(self) -> EngineLoad:
         core = self.engine
-        return EngineLoad(len(core.scheduler.running), self.num_waiting(), core.kv.pool.usage(), core.stats)
+        tiers = core.store.snapshot() if core.store is not None else []
+        return EngineLoad(
+            len(core.scheduler.running), self.num_waiting(), core.kv.pool.usage(), core.stats, tiers, core.kv.block_size
+        )
 
     def unfinished_request_ids(self) -> Collection[str]:
         return self.engine.output_processor.groups.keys()
@@ -141,6 +144,7 @@ class AsyncLLMEngine:
             while True:
                 block = not self.engine.has_unfinished_requests()
                 if not self._apply_commands(block):
+                    self.engine.shutdown()  # in this thread: the engine's state is this thread's
                     return
                 if self.engine.has_unfinished_requests():
                     self._publish(self.engine.step())

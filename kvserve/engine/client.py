@@ -7,7 +7,7 @@ prefill/decode role would), so that none of them reaches into the engine's inter
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.outputs import RequestOutput
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from kvserve.engine.stats import EngineStats
+    from kvserve.kv_cache.tiers.store import TierSnapshot
 
 
 class QueueFullError(RuntimeError):
@@ -42,6 +43,8 @@ class EngineLoad:
     num_waiting: int  # queued, including requests handed over and not yet applied
     kv_cache_usage: float  # fraction of KV blocks in use
     totals: EngineStats
+    kv_tiers: list[TierSnapshot] = field(default_factory=list)  # host RAM, disk, Redis: those configured
+    block_size: int = 16
 
 
 StepHook = Callable[[list[RequestOutput]], None]  # called in the engine thread after each step

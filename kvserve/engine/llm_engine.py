@@ -5,11 +5,13 @@ from __future__ import annotations
 import itertools
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
 from kvserve.config import EngineConfig, parse_memory
+from kvserve.engine.kv_transfer import KVTransfer, block_shape
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
@@ -17,8 +19,14 @@ from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.stats import EngineStats
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
 from kvserve.kv_cache.prefix_cache import extra_key
+from kvserve.kv_cache.tiers.disk import DiskTier
+from kvserve.kv_cache.tiers.host import HostTier
+from kvserve.kv_cache.tiers.namespace import Namespace
+from kvserve.kv_cache.tiers.redis_tier import RedisTier
+from kvserve.kv_cache.tiers.store import TieredKVStore
 from kvserve.layers.sampler import Sampler
 from kvserve.logger import logger
+from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import load_config, load_model, resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.platforms import get_platform
@@ -42,15 +50,18 @@ class LLMEngine:
         self.device, self.dtype = platform.device, platform.dtype
         model = load_model(model_dir, self.model_config, platform)
         num_blocks = self._num_blocks()
+        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device)
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
-        self.kv = KVCacheManager(num_blocks, config.block_size, make_prefix_cache(cache_kind, config.block_size))
+        self.store = make_kv_store(config, model_dir, kv_caches) if cache_kind else None
+        prefix_cache = make_prefix_cache(cache_kind, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache, self.store)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
             self.kv,
         )
-        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device)
-        self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed))
+        self.transfer = KVTransfer(kv_caches, self.store) if self.store else None
+        self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -112,7 +123,7 @@ class LLMEngine:
         if group is None:
             return
         self.stats.finished_requests["abort"] += 1
-        pending = [r for r in self.scheduler.waiting if r.group_id == request_id]
+        pending = [r for r in [*self.scheduler.waiting, *self.scheduler.loading] if r.group_id == request_id]
         samples = [s.request for s in group.samples.values()]
         running = [r for r in self.scheduler.running if r.group_id == request_id]
         self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), RequestStatus.FINISHED_ABORTED)
@@ -132,6 +143,8 @@ class LLMEngine:
         with record_function("schedule"):  # named ranges: `kvserve bench step` breaks a step down by them
             out = self.scheduler.schedule()
         if out.is_empty:
+            if self.scheduler.loading:  # nothing to run but loads from the tiers: wait for one
+                self.store.wait_for_loads(self.kv.loads.values(), timeout=0.005)
             return []
         sampled = self.runner.execute(out)
         with record_function("process_outputs"):
@@ -140,11 +153,48 @@ class LLMEngine:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             outputs = self.output_processor.make_outputs(updated)
             self.stats.record_step(self.scheduler, out, updated, outputs, time.perf_counter() - start)
+        if self.transfer is not None:
+            with record_function("kv_tiers"):
+                self.transfer.save(self.kv.take_pending_saves())  # blocks this step filled
         self._check_if_idle()
         return outputs
+
+    def shutdown(self) -> None:
+        """Write back every cached block the tiers do not hold yet (so a restart finds it), and
+        close them. The engine takes no request after this."""
+        if self.store is None:
+            return
+        if self.transfer is not None and self.kv.store is not None and self.store.saves_on_evict:
+            self.transfer.save(self.kv.cached_block_saves())
+        self.store.flush()
+        self.store.close()
+        self.store = self.kv.store = self.transfer = self.runner.transfer = None
 
     def _check_if_idle(self) -> None:
         """With check_invariants, at idle: the pool's and the prefix cache's own invariants, and no block in use."""
         if self.check_invariants and not self.has_unfinished_requests():
             self.kv.check_integrity()
             assert self.kv.pool.num_used_blocks == 0, f"{self.kv.pool.num_used_blocks} blocks in use at idle"
+
+
+def make_kv_store(config: EngineConfig, model_dir: Path, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
+    """The tiers the config turns on, in order: host RAM, disk, Redis; None if none is."""
+    on_accelerator = kv_caches[0].device.type != "cpu"
+    tiers = []
+    if host := config.kv_host_bytes(on_accelerator):
+        tiers.append(HostTier(host))
+    disk = config.kv_disk_bytes()
+    if not disk and not config.kv_remote and not tiers:
+        return None
+    namespace = Namespace(
+        model_fingerprint(model_dir),
+        str(kv_caches[0].dtype).removeprefix("torch."),
+        config.block_size,
+        block_shape(kv_caches),
+    )
+    if disk:
+        tiers.append(DiskTier(config.kv_disk_path(), disk, namespace))
+    if config.kv_remote:
+        tiers.append(RedisTier(config.kv_remote, namespace))
+    logger.info("KV tiers: %s (%s)", ", ".join(t.name for t in tiers), config.kv_write_policy)
+    return TieredKVStore(namespace, tiers, config.kv_write_policy)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from kvserve.engine.kv_transfer import KVTransfer
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -33,8 +34,10 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         kv_cache_manager: KVCacheManager,
         sampler: Sampler,
+        transfer: KVTransfer | None = None,
     ):
         self.model = model
+        self.transfer = transfer  # to and from the KV tiers
         self.kv_caches = kv_caches
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -44,7 +47,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
         with record_function("prepare_inputs"):
-            self._copy_blocks(out)
+            self._move_blocks(out)
             batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first, stable
             input_ids, positions, meta, sample_rows = self._prepare(batch)
         with record_function("model_forward"):
@@ -70,6 +73,15 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden)
         with record_function("sample"):
             return self.sampler(logits, requests)
+
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """Before the forward: evicted blocks out to the tiers first (copies and loads may
+        land in them), then copy-on-write copies, then blocks loaded from the tiers."""
+        if self.transfer is not None:
+            self.transfer.save(out.block_saves)
+        self._copy_blocks(out)
+        if self.transfer is not None:
+            self.transfer.load(out.block_loads)
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         if not out.block_copies:

@@ -9,6 +9,10 @@ are admitted while the budget, the sequence cap and the block pool allow (with
 their prefills, and the running requests wait for the next step). When
 blocks run out, the most recently admitted running request is preempted: its
 blocks are freed and it goes back to the head of the queue to be recomputed.
+
+With KV tiers, a waiting request whose blocks must come from disk or Redis leaves
+the queue for `loading` (vLLM's waiting-for-remote-KV state) while the others keep
+running, and returns to the head of the queue when they arrive, fail or time out.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv_cache.kv_cache_manager import BlockCopy, KVCacheManager
+from kvserve.kv_cache.kv_cache_manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
 from kvserve.layers.sampler import SampledToken
 
 
@@ -52,6 +56,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     forks: list[tuple[Request, Request]] = field(default_factory=list)  # (parent, new sibling)
     block_copies: list[BlockCopy] = field(default_factory=list)
+    block_saves: list[BlockSave] = field(default_factory=list)  # read out before the forward overwrites them
+    block_loads: list[BlockLoad] = field(default_factory=list)  # written before the forward reads them
     preempted: list[Request] = field(default_factory=list)
 
     @property
@@ -69,6 +75,7 @@ class Scheduler:
         self.kv = kv_cache_manager
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # waiting for blocks from the KV tiers
         self.num_preemptions = 0
 
     @property
@@ -98,11 +105,16 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting) + len(self.loading)
 
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(scheduled=[])
+        self._return_loaded()
         if self.config.prefill_first and not self._chunk_in_progress():
             # a new prompt's first token then waits for its prefill alone, not for the
             # decodes of every running request too; those wait one step instead. Whole
@@ -114,7 +126,17 @@ class Scheduler:
                 self._schedule_waiting(budget, out)
         self._fork_samples(out)
         out.block_copies = self.kv.take_pending_copies()
+        out.block_saves = self.kv.take_pending_saves()
+        out.block_loads = self.kv.take_pending_loads()
         return out
+
+    def _return_loaded(self) -> None:
+        """Requests whose tier loads are over go back to the head of the queue, in order."""
+        ready = [r for r in self.loading if self.kv.load_ready(r)]
+        for req in reversed(ready):
+            self.loading.remove(req)
+            req.status = RequestStatus.WAITING
+            self.waiting.appendleft(req)
 
     def _schedule_running(self, budget: int, out: SchedulerOutput) -> int:
         i = 0
@@ -138,14 +160,22 @@ class Scheduler:
             if self._num_seats() + self._seats(req) > self.config.max_num_seqs:
                 break
             hit = self.kv.match_prefix(req)
-            cached = hit.num_blocks * self.kv.block_size if hit else 0
-            n = min(req.num_tokens - cached, budget)
-            if whole_prompts and n < req.num_tokens - cached:
+            if self.kv.start_load(req, hit):
+                self.waiting.popleft()
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading.append(req)
+                continue
+            loaded = self.kv.loaded_blocks(req, hit)
+            cached = (hit.num_blocks if hit else 0) * self.kv.block_size
+            computed = cached + len(loaded) * self.kv.block_size  # loads take blocks, not budget
+            n = min(req.num_tokens - computed, budget)
+            if whole_prompts and n < req.num_tokens - computed:
                 break
-            if not self.kv.allocate_slots(req, n, hit):
+            if not self.kv.allocate_slots(req, computed - cached + n, hit):
                 break
+            self.kv.queue_loads(req, cached // self.kv.block_size, loaded)
             self.waiting.popleft()
-            self._record_prefix_hit(req, cached)
+            self._record_prefix_hit(req, cached, computed)
             req.status = RequestStatus.RUNNING
             if req.times.first_scheduled is None:
                 req.times.first_scheduled = time.monotonic()
@@ -157,12 +187,17 @@ class Scheduler:
         """A running prompt is part-way through its prefill (only ever the last one)."""
         return bool(self.running) and self.running[-1].num_tokens - self.running[-1].num_computed_tokens > 1
 
-    def _record_prefix_hit(self, req: Request, cached: int) -> None:
-        req.num_computed_tokens = cached
+    def _record_prefix_hit(self, req: Request, cached: int, computed: int) -> None:
+        """`cached` tokens from the device pool; up to `computed`, loaded from the tiers."""
+        req.num_computed_tokens = computed
         if req.num_cached_tokens < 0:
-            req.num_cached_tokens = cached
-        self.kv.prefix_stats.queries += req.num_tokens
-        self.kv.prefix_stats.hits += cached
+            req.num_cached_tokens = computed
+        stats = self.kv.prefix_stats
+        stats.queries += req.num_tokens
+        stats.hits += cached
+        if self.kv.store is not None:
+            stats.external_queries += req.num_tokens - cached
+            stats.external_hits += computed - cached
 
     @staticmethod
     def _seats(req: Request) -> int:
@@ -232,6 +267,8 @@ class Scheduler:
             return
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+        elif req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.loading.remove(req)
         else:
             self.waiting.remove(req)
         req.status = status

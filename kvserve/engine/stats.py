@@ -35,7 +35,9 @@ class EngineStats:
     prefill_tokens_computed: int = 0  # includes recomputation after preemption
     finished_requests: Counter[str] = field(default_factory=Counter)  # user requests, by first sample's reason
     prefix_cache_queries: int = 0  # tokens looked up at admission
-    prefix_cache_hits: int = 0  # of those, found cached
+    prefix_cache_hits: int = 0  # of those, found cached in the device pool
+    external_prefix_cache_queries: int = 0  # tokens looked up in the KV tiers (after the device hit)
+    external_prefix_cache_hits: int = 0  # of those, loaded from a tier (`kvserve:kv_tier_hits` says which)
     prefix_cache_evictions: int = 0  # blocks
     prefix_cache_blocks: int = 0  # cached now (in use or evictable)
     peak_kv_blocks_used: int = 0
@@ -65,7 +67,7 @@ class EngineStats:
         allocated, unused = _kv_slot_usage(scheduler)
         step = StepStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            num_waiting=scheduler.num_waiting,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_free=pool.num_free_blocks,
             kv_blocks_evictable=pool.num_evictable_blocks,
@@ -93,7 +95,9 @@ class EngineStats:
 
     def _record_prefix_cache(self, scheduler: Scheduler) -> None:
         kv = scheduler.kv
-        self.prefix_cache_queries, self.prefix_cache_hits = kv.prefix_stats.queries, kv.prefix_stats.hits
+        p = kv.prefix_stats
+        self.prefix_cache_queries, self.prefix_cache_hits = p.queries, p.hits
+        self.external_prefix_cache_queries, self.external_prefix_cache_hits = p.external_queries, p.external_hits
         if kv.prefix_cache is not None:
             self.prefix_cache_evictions = kv.prefix_cache.num_evictions
             self.prefix_cache_blocks = kv.prefix_cache.size_info().cached_blocks

@@ -9,7 +9,7 @@ the middle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,6 +19,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     cached: bool = False  # held by the prefix cache: matchable by later requests
+    block_key: bytes | None = None  # its chained key while cached and not yet offered to the tiers
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 
@@ -93,12 +94,18 @@ class BlockPool:
     """Every block is free (in the free queue), evictable (held by the prefix cache,
     unreferenced, still matchable) or in use (ref_cnt > 0)."""
 
-    def __init__(self, num_blocks: int, evictor: Evictor | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        evictor: Evictor | None = None,
+        on_evict: Callable[[list[KVCacheBlock]], None] | None = None,
+    ):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.evictor = evictor
+        self.on_evict = on_evict  # sees evicted blocks before they are reused (their K/V still intact)
         self.num_allocations = 0  # cumulative, for stats and tests
 
     @property
@@ -138,7 +145,10 @@ class BlockPool:
 
     def reclaim(self, n: int) -> None:
         """Evict n cached, unreferenced blocks from the prefix cache into the free queue."""
-        for block in self.evictor.evict(n):
+        evicted = self.evictor.evict(n)
+        if self.on_evict is not None:
+            self.on_evict(evicted)
+        for block in evicted:
             self.free_queue.append(block)
 
     def incr_ref(self, blocks: Iterable[KVCacheBlock]) -> None:

@@ -13,10 +13,17 @@ request admitted in the same step continues its match through them. Its attentio
 them in the same forward, after they are written: every layer writes the step's new K/V
 before it attends. So requests that arrive together compute a shared prefix once, with
 no one waiting for another (SGLang instead defers the followers by a step).
+
+With tiers below the pool (`tiers.store.TieredKVStore`), a request's match continues
+there: `start_load` looks up the blocks after its device hit, the request waits (off
+the step loop) while they arrive, and `queue_loads` writes them into freshly allocated
+blocks before the step's forward. Blocks leaving the pool, or filling, are queued in
+`pending_saves` for the engine to read out and store.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass
 
@@ -26,6 +33,7 @@ from kvserve.kv_cache.hash_chain_cache import HashChainCache
 from kvserve.kv_cache.prefix_cache import PrefixCache, PrefixMatch
 from kvserve.kv_cache.radix_cache import RadixCache
 from kvserve.kv_cache.request import KVRequest
+from kvserve.kv_cache.tiers.store import KVLoad, Payload, TieredKVStore
 
 PREFIX_CACHES: dict[str, type[PrefixCache]] = {"radix": RadixCache, "hash": HashChainCache}
 
@@ -75,23 +83,53 @@ class PrefixHit:
         return self.cached.num_blocks + len(self.in_flight)
 
 
+@dataclass(frozen=True)
+class BlockSave:
+    """Read block `block_id`'s K/V out and store it under `block_key`: it just filled
+    (`filled`), or it is being evicted and is rewritten by this step's forward."""
+
+    block_key: bytes
+    block_id: int
+    filled: bool
+
+
+@dataclass(frozen=True)
+class BlockLoad:
+    """Write `payload` (from a tier) into block `block_id` before this step's forward."""
+
+    block_id: int
+    payload: Payload
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up at admission
-    hits: int = 0  # of those, tokens found cached
+    hits: int = 0  # of those, tokens found cached in the device pool
+    external_queries: int = 0  # tokens looked up in the tiers (after the device hit)
+    external_hits: int = 0  # of those, tokens loaded from a tier
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, prefix_cache: PrefixCache | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        prefix_cache: PrefixCache | None = None,
+        store: TieredKVStore | None = None,
+    ):
         self.block_size = block_size
         self.prefix_cache = prefix_cache
-        self.pool = BlockPool(num_blocks, evictor=prefix_cache)
+        self.store = store if prefix_cache is not None else None
+        self.pool = BlockPool(num_blocks, evictor=prefix_cache, on_evict=self._on_evict)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by KVRequest.seq_id
         self.cached_prefixes: dict[int, CachedPrefix] = {}  # by KVRequest.seq_id
         self.pending_copies: list[BlockCopy] = []
         self.in_flight: dict[bytes, KVCacheBlock] = {}  # block key -> block being filled this step
         self.num_cow_copies = 0
         self.prefix_stats = PrefixCacheStats()
+        self.loads: dict[int, KVLoad] = {}  # by KVRequest.seq_id: lookups in the tiers
+        self.pending_saves: list[BlockSave] = []
+        self.pending_loads: list[BlockLoad] = []
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -210,7 +248,76 @@ class KVCacheManager:
                 self.pool.incr_ref([block])
                 self.pool.free_blocks([table[i]])
                 table[i] = block
+            elif self.store is not None and block.block_key is None:
+                self._offer(block, request.block_keys[i])
         self.cached_prefixes[request.seq_id] = CachedPrefix(handle, full)
+
+    def _offer(self, block: KVCacheBlock, key: bytes) -> None:
+        """A block this request computed is cached now: the tiers may want it now and on eviction."""
+        block.block_key = key
+        if self.store.saves_on_fill:
+            self.pending_saves.append(BlockSave(key, block.block_id, filled=True))
+
+    def _on_evict(self, blocks: list[KVCacheBlock]) -> None:
+        for block in blocks:
+            if block.block_key is not None and self.store is not None and self.store.saves_on_evict:
+                self.pending_saves.append(BlockSave(block.block_key, block.block_id, filled=False))
+            block.block_key = None
+
+    def take_pending_saves(self) -> list[BlockSave]:
+        saves, self.pending_saves = self.pending_saves, []
+        return saves
+
+    def take_pending_loads(self) -> list[BlockLoad]:
+        loads, self.pending_loads = self.pending_loads, []
+        return loads
+
+    def cached_block_saves(self) -> list[BlockSave]:
+        """Every cached block, as an eviction would save it (a write-back cache's flush at shutdown)."""
+        return [BlockSave(b.block_key, b.block_id, False) for b in self.pool.blocks if b.cached and b.block_key]
+
+    # loads from the tiers
+
+    def start_load(self, request: KVRequest, hit: PrefixHit | None) -> bool:
+        """Look the blocks after a waiting request's device hit up in the tiers, once per
+        admission; True while it must wait for them (then poll `load_ready`)."""
+        if self.store is None or request.seq_id in self.loads:
+            return False
+        first = hit.num_blocks if hit else 0
+        usable = (request.num_tokens - 1) // self.block_size
+        load = self.store.start_load(self._block_keys(request, usable)[first:usable], first)
+        if load is None:
+            return False
+        self.loads[request.seq_id] = load
+        return not load.done
+
+    def load_ready(self, request: KVRequest) -> bool:
+        """Its load arrived, failed or timed out (then it computes what it would have loaded)."""
+        load = self.loads.get(request.seq_id)
+        if load is None or load.done:
+            return True
+        if time.monotonic() > load.deadline:
+            load.result = []
+            self.store.record_timeout()
+            return True
+        return False
+
+    def loaded_blocks(self, request: KVRequest, hit: PrefixHit | None) -> list[tuple[str, Payload]]:
+        """The loaded blocks that continue the request's device hit now, as (tier, payload)."""
+        load = self.loads.get(request.seq_id)
+        if load is None:
+            return []
+        skip = (hit.num_blocks if hit else 0) - load.first_block
+        return load.payloads()[skip:] if skip >= 0 else []  # skip < 0: the blocks it continued were evicted
+
+    def queue_loads(self, request: KVRequest, first_block: int, loaded: list[tuple[str, Payload]]) -> None:
+        """After `allocate_slots` covered them: write the loaded blocks into the table's fresh blocks."""
+        self.loads.pop(request.seq_id, None)
+        table = self.block_tables[request.seq_id]
+        for i, (_, payload) in enumerate(loaded, start=first_block):
+            self.pending_loads.append(BlockLoad(table[i].block_id, payload))
+        if loaded:
+            self.store.record_served(loaded)
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """The child shares every block of the parent, the partly filled last one too."""
@@ -222,6 +329,7 @@ class KVCacheManager:
             self.cached_prefixes[child.seq_id] = CachedPrefix(done.handle, done.num_blocks)
 
     def free(self, request: KVRequest) -> None:
+        self.loads.pop(request.seq_id, None)
         self.cached_prefixes.pop(request.seq_id, None)
         table = self.block_tables.pop(request.seq_id, [])
         self._drop_in_flight(request, table, 0, len(table))
@@ -246,4 +354,5 @@ class KVCacheManager:
             return False
         if self.prefix_cache is not None:
             self.pool.reclaim(self.pool.num_evictable_blocks)
+            self.pending_saves.clear()  # forgotten here, not pushed down to the tiers
         return True

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import secrets
 import signal
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -22,7 +21,7 @@ from kvserve.engine.client import EngineClient, EngineDeadError
 from kvserve.engine_args import engine_config
 from kvserve.logger import logger
 from kvserve.server.async_utils import with_cancellation
-from kvserve.server.auth import ApiKeys
+from kvserve.server.auth import ApiKeys, server_cache_secret
 from kvserve.server.errors import APIError, add_exception_handlers
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.middleware import BodySizeLimit
@@ -67,7 +66,7 @@ class ServerSettings:
             keys = ApiKeys.from_file(args.api_keys)
         else:
             keys = ApiKeys.from_key(args.api_key) if args.api_key else ApiKeys({})
-        secret = args.cache_secret.encode() if args.cache_secret else secrets.token_bytes(32)
+        secret = server_cache_secret(args.cache_secret, engine_config(args))
         return cls(
             args.served_model_name or args.model, keys, secret, args.max_request_body_size, args.stats_log_interval
         )

@@ -22,7 +22,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     keys.add_argument("--api-keys", metavar="FILE", default=None, help="lines 'key tenant'; # comments allowed")
     keys.add_argument("--api-key", default=None, help="one key, for the tenant 'default'")
     parser.add_argument(
-        "--cache-secret", default=None, help="keys the per-tenant cache salts (default: random at start)"
+        "--cache-secret",
+        default=None,
+        help="keys the per-tenant cache salts; required with --kv-remote (default: kept beside the "
+        "disk tier, or random at start without one)",
     )
     parser.add_argument("--max-queued-requests", type=int, default=256, help="more waiting requests get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests after SIGTERM")

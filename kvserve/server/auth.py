@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvserve.config import EngineConfig
 
 ANONYMOUS_TENANT = "anonymous"
 DEFAULT_TENANT = "default"
@@ -69,3 +73,36 @@ def cache_salt(secret: bytes, tenant: str, client_salt: str | None = None) -> st
     if client_salt is not None:
         salt = hmac.new(salt, client_salt.encode(), hashlib.sha256).digest()
     return salt.hex()
+
+
+def server_cache_secret(explicit: str | None, config: EngineConfig) -> bytes:
+    """The secret that keys every tenant's salt. Random at start unless a tier outlives the
+    process: with the disk tier it is kept beside it (owner-only), so a restarted server
+    derives the same salts and finds its blocks; with Redis, replicas on other machines
+    must derive the same salts too, so it must be given (`--cache-secret`)."""
+    if explicit:
+        return explicit.encode()
+    if config.kv_remote:
+        raise ValueError(
+            "--kv-remote needs --cache-secret (the same on every replica sharing the store), "
+            "so that a tenant's cached prefixes are found again on every replica and after a restart"
+        )
+    if config.enable_prefix_caching and config.kv_disk_bytes():
+        return _persistent_secret(config.kv_disk_path() / "cache_secret")
+    return secrets.token_bytes(32)
+
+
+def _persistent_secret(path: Path) -> bytes:
+    try:
+        return bytes.fromhex(path.read_text().strip())
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    secret = secrets.token_bytes(32)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another replica on this directory made it first
+        return bytes.fromhex(path.read_text().strip())
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex())
+    return secret

@@ -8,14 +8,16 @@ by the request handlers.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from kvserve.engine.client import EngineClient
+from kvserve.kv_cache.tiers.store import LOAD_BUCKETS, TierSnapshot
 from kvserve.outputs import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -43,6 +45,15 @@ class EngineCollector(Collector):
             "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", stats.prefix_cache_queries
         )
         yield _counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", stats.prefix_cache_hits)
+        yield _counter(
+            "external_prefix_cache_queries",
+            "Prompt tokens looked up in the KV tiers (host RAM, disk, Redis).",
+            stats.external_prefix_cache_queries,
+        )
+        yield _counter(
+            "external_prefix_cache_hits", "Prompt tokens loaded from the KV tiers.", stats.external_prefix_cache_hits
+        )
+        yield from _tier_metrics(load.kv_tiers, load.block_size)
         yield _counter("num_preemptions", "Preemptions of running requests.", stats.num_preemptions)
         yield _counter("prompt_tokens", "Prefill tokens of requests that produced a token.", stats.prompt_tokens)
         yield _counter("generation_tokens", "Generated tokens.", stats.generation_tokens)
@@ -52,6 +63,43 @@ class EngineCollector(Collector):
         for reason, count in sorted(dict(stats.finished_requests).items()):
             success.add_metric([reason], count)
         yield success
+
+
+def _tier_metrics(tiers: list[TierSnapshot], block_size: int) -> Iterator[Metric]:
+    """One series per configured tier (label `tier`: host, disk, redis)."""
+    counters = {
+        "kv_tier_queries": ("Tokens looked up in the tier.", lambda t: t.queried_blocks * block_size),
+        "kv_tier_hits": ("Tokens the tier delivered to requests.", lambda t: t.served_blocks * block_size),
+        "kv_tier_read_bytes": ("Bytes read from the tier.", lambda t: t.read_bytes),
+        "kv_tier_written_bytes": ("Bytes written to the tier.", lambda t: t.written_bytes),
+        "kv_tier_stored_blocks": ("Blocks written to the tier.", lambda t: t.stored_blocks),
+        "kv_tier_dropped_writes": ("Blocks not written (tier aside, queue full).", lambda t: t.dropped_writes),
+    }
+    for name, (doc, value) in counters.items():
+        family = CounterMetricFamily(f"kvserve:{name}", doc, labels=["tier"])
+        for t in tiers:
+            family.add_metric([t.name], value(t))
+        yield family
+    gauges = {
+        "kv_tier_usage_bytes": ("Bytes the tier holds.", lambda t: t.used_bytes),
+        "kv_tier_capacity_bytes": ("The tier's size cap (0: none of its own).", lambda t: t.capacity_bytes or 0),
+        "kv_tier_breaker_state": ("0 closed, 1 open (tier aside), 2 half-open.", lambda t: t.breaker_state),
+    }
+    for name, (doc, value) in gauges.items():
+        family = GaugeMetricFamily(f"kvserve:{name}", doc, labels=["tier"])
+        for t in tiers:
+            family.add_metric([t.name], value(t))
+        yield family
+    errors = CounterMetricFamily("kvserve:kv_tier_errors", "Tier errors, by kind.", labels=["tier", "kind"])
+    latency = HistogramMetricFamily("kvserve:kv_tier_load_seconds", "Time of one batched read.", labels=["tier"])
+    for t in tiers:
+        for kind, n in sorted(t.errors.items()):
+            errors.add_metric([t.name, kind], n)
+        cumulative = list(itertools.accumulate(t.load_seconds.counts))
+        buckets = [(str(b), c) for b, c in zip(LOAD_BUCKETS, cumulative, strict=False)] + [("+Inf", cumulative[-1])]
+        latency.add_metric([t.name], buckets, t.load_seconds.total)
+    yield errors
+    yield latency
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

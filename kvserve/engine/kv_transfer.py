@@ -1,0 +1,62 @@
+"""Block K/V between the device pool and the tiers' bytes.
+
+A stored block is [layers, 2 (K, V), block_size, kv_heads, head_dim], contiguous
+(`tiers.namespace.KV_LAYOUT_VERSION`): one gather per layer reads a batch of blocks
+out, one scatter per layer writes a batch back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kvserve.kv_cache.kv_cache_manager import BlockLoad, BlockSave
+from kvserve.kv_cache.tiers.store import TieredKVStore
+
+
+def block_shape(kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
+    _, _, block_size, heads, head_dim = kv_caches[0].shape
+    return (len(kv_caches), 2, block_size, heads, head_dim)
+
+
+class KVTransfer:
+    def __init__(self, kv_caches: list[torch.Tensor], store: TieredKVStore):
+        self.kv_caches = kv_caches
+        self.store = store
+        self.shape = block_shape(kv_caches)
+        self.dtype = kv_caches[0].dtype
+
+    def save(self, saves: list[BlockSave]) -> None:
+        """Read out the blocks the store wants (before anything overwrites them) and hand them over."""
+        for filled in (True, False):
+            batch = [s for s in saves if s.filled == filled]
+            if not batch:
+                continue
+            wanted = self.store.wanted([s.block_key for s in batch], filled)
+            batch = [s for s, w in zip(batch, wanted, strict=True) if w]
+            if batch:
+                data = self._gather([s.block_id for s in batch])
+                self.store.save([s.block_key for s in batch], _payloads(data), filled)
+
+    def load(self, loads: list[BlockLoad]) -> None:
+        if not loads:
+            return
+        buf = torch.empty((len(loads), *self.shape), dtype=self.dtype)
+        raw = buf.view(torch.uint8).numpy().reshape(len(loads), -1)
+        for i, load in enumerate(loads):
+            raw[i] = np.frombuffer(load.payload, dtype=np.uint8)
+        buf = buf.to(self.kv_caches[0].device)
+        ids = torch.tensor([load.block_id for load in loads], device=buf.device)
+        for layer, cache in enumerate(self.kv_caches):
+            cache[:, ids] = buf[:, layer].transpose(0, 1)
+
+    def _gather(self, block_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(block_ids, device=self.kv_caches[0].device)
+        per_layer = [cache[:, ids] for cache in self.kv_caches]  # each [2, n, block_size, heads, head_dim]
+        return torch.stack(per_layer, dim=1).transpose(0, 2).contiguous().cpu()  # [n, layers, 2, ...]
+
+
+def _payloads(data: torch.Tensor) -> list[memoryview]:
+    """One read-only view per block; each keeps `data` alive until the tiers let go of it."""
+    raw = data.view(torch.uint8).numpy().reshape(data.shape[0], -1)
+    return [memoryview(row) for row in raw]
