@@ -47,13 +47,15 @@ class StatsLogger:
         elapsed = max(now.time - last.time, 1e-9)
         queries = now.queries - last.queries
         hit_rate = (now.hits - last.hits) / queries if queries else 0.0
+        tiers = ", ".join(f"{t.name} {t.served_blocks * load.block_size}" for t in load.kv_tiers)
         logger.info(
             "prompt throughput: %.1f tokens/s, generation throughput: %.1f tokens/s, running: %d, waiting: %d, "
-            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%",
+            "KV cache usage: %.1f%%, prefix cache hit rate: %.1f%%%s",
             (now.prompt_tokens - last.prompt_tokens) / elapsed,
             (now.generation_tokens - last.generation_tokens) / elapsed,
             load.num_running,
             load.num_waiting,
             100 * load.kv_cache_usage,
             100 * hit_rate,
+            f", tokens loaded from KV tiers so far: {tiers}" if tiers else "",
         )
