@@ -49,6 +49,12 @@ class EngineConfig:
     kv_disk_size: str | int | None = None  # default: $KVSERVE_KV_DISK_SIZE, else 2GiB
     kv_remote: str | None = None  # redis://[:password@]host:port/db, or rediss://
     kv_write_policy: str = "write_back"  # or write_through (SGLang's names)
+    # KV events (kv_events/), in vLLM's wire format; None: none published
+    kv_events_endpoint: str | None = None  # e.g. tcp://*:5557 (bound; a host without * is connected to)
+    kv_events_replay_endpoint: str | None = None  # default: the same host, port + 1
+    kv_events_topic: str = ""  # vLLM's default
+    kv_events_token_ids: bool = False  # publish blocks' token ids too (vLLM always does: every tenant's prompts)
+    kv_events_encoding: str = "map"  # events as tagged maps (vLLM now) or tagged arrays (vLLM before #42892)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,6 +74,17 @@ class EngineConfig:
             raise ValueError(f"kv_remote must be a redis://, rediss:// or unix:// URL, got {self.kv_remote!r}")
         if self.kv_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"kv_write_policy must be 'write_back' or 'write_through', got {self.kv_write_policy!r}")
+        self._check_kv_events()
+
+    def _check_kv_events(self) -> None:
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"tcp://\S+:(\d+|\*)|(ipc|inproc)://\S+", value):
+                raise ValueError(f"{name} must look like tcp://*:5557, ipc://path or inproc://name, got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_encoding not in ("map", "array"):
+            raise ValueError(f"kv_events_encoding must be 'map' or 'array', got {self.kv_events_encoding!r}")
 
     def kv_disk_path(self) -> Path:
         return Path(self.kv_disk_dir).expanduser() if self.kv_disk_dir else cache_root() / "kv"

@@ -19,6 +19,11 @@ _ENGINE_HELP = {
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",
     "prefix_cache": "radix (RadixAttention tree) | hash (chained block hashes)",
+    "kv_events_endpoint": "publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://*:5557",
+    "kv_events_replay_endpoint": "ZMQ address of the replay socket (default: the same host, port + 1)",
+    "kv_events_topic": "topic of every KV event message (default: none, as in vLLM)",
+    "kv_events_token_ids": "put blocks' token ids in the events (off: hashes only; vLLM sends every tenant's tokens)",
+    "kv_events_encoding": "map (vLLM now) | array (vLLM before #42892, for older consumers)",
     "prefill_first": "steps that admit new prompts run only their prefills; decodes wait a step "
     "(SGLang's default: lower time to first token, one longer gap between tokens)",
 }

@@ -182,7 +182,7 @@ def test_disk_capacity_evicts_the_oldest(tmp_path: Path):
     disk = DiskTier(tmp_path, 3 * FILE, NS)
     disk.put([(key(i), payload(i)) for i in range(3)])
     disk.get([key(0)])  # 0 recently used: 1 is now the oldest
-    disk.put([(key(3), payload(3))])
+    assert disk.put([(key(3), payload(3))]) == [(key(1), None)]  # deleted, not handed down: no payload
     assert [disk.contains([key(i)]) for i in range(4)] == [1, 0, 1, 1]
     assert not disk.path(key(1)).exists() and disk.used_bytes == 3 * FILE
     for i in range(4, 10):

@@ -16,18 +16,26 @@ from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
 
 from kvserve.config import EngineConfig
-from kvserve.engine.client import EngineDeadError, EngineLoad, ModelInfo, QueueFullError, StepHook
+from kvserve.engine.client import (
+    EngineDeadError,
+    EngineLoad,
+    KVEventsInfo,
+    ModelInfo,
+    QueueFullError,
+    ReplicaInfo,
+    StepHook,
+)
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.logger import logger
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 @dataclass
 class _Add:
     request_id: str
     prompt: str | list[int]
-    params: SamplingParams
+    params: SamplingParams | BeamSearchParams
     cache_salt: str | None
     outputs: asyncio.Queue[RequestOutput | BaseException]
 
@@ -50,6 +58,7 @@ class AsyncLLMEngine:
         self.model_info = ModelInfo(
             engine.config.model, engine.scheduler.config.max_model_len, engine.model_config.vocab_size
         )
+        self.replica_info = replica_info(engine)
         self.max_queued_requests = max_queued_requests
         self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
@@ -84,7 +93,7 @@ class AsyncLLMEngine:
     async def generate(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
@@ -196,6 +205,15 @@ class AsyncLLMEngine:
     def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(add.outputs.put_nowait, item)
+
+
+def replica_info(engine: LLMEngine) -> ReplicaInfo:
+    cfg, pub = engine.config, engine.kv_events
+    events = None
+    if pub is not None:
+        events = KVEventsInfo(pub.endpoint, pub.replay_endpoint, pub.topic, cfg.kv_events_token_ids)
+    tiers = tuple(t.name for t in engine.store.tiers) if engine.store is not None else ()
+    return ReplicaInfo(str(engine.model_dir), engine.kv.block_size, engine.kv.pool.num_blocks, tiers, events)
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:

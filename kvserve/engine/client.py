@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -36,6 +36,29 @@ class ModelInfo:
 
 
 @dataclass(frozen=True)
+class KVEventsInfo:
+    endpoint: str  # as bound (a wildcard port resolved); the server makes it connectable
+    replay_endpoint: str | None
+    topic: str
+    token_ids: bool  # whether BlockStored carries token ids (an opt-in)
+
+
+@dataclass(frozen=True)
+class ReplicaInfo:
+    """What a router needs to compute this replica's block keys and follow its cache (GET /server_info)."""
+
+    tokenizer_dir: str  # absolute path of the checkpoint directory the tokenizer was loaded from
+    block_size: int
+    num_kv_blocks: int
+    kv_tiers: tuple[str, ...]  # below the device pool, in order: "host", "disk", "redis"
+    kv_events: KVEventsInfo | None
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+@dataclass(frozen=True)
 class EngineLoad:
     """What the engine is doing now (read without stopping it) and its running totals."""
 
@@ -52,13 +75,18 @@ StepHook = Callable[[list[RequestOutput]], None]  # called in the engine thread 
 
 class EngineClient(Protocol):
     model_info: ModelInfo
+    replica_info: ReplicaInfo
     on_step: list[StepHook]
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase: ...
 
     def generate(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str, cache_salt: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | BeamSearchParams,
+        request_id: str,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs until the request finishes; a bad request raises ValueError, a full queue
         QueueFullError, a dead engine EngineDeadError. Closing the iterator early aborts it."""

@@ -19,7 +19,7 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     cached: bool = False  # held by the prefix cache: matchable by later requests
-    block_key: bytes | None = None  # its chained key while cached and not yet offered to the tiers
+    block_key: bytes | None = None  # its chained key, while the prefix cache holds it as computed here
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvserve.kv_cache.block_keys import extend_keys
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
+from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvserve.kv_cache.hash_chain_cache import HashChainCache
 from kvserve.kv_cache.prefix_cache import PrefixCache, PrefixMatch
 from kvserve.kv_cache.radix_cache import RadixCache
@@ -116,7 +117,9 @@ class KVCacheManager:
         block_size: int,
         prefix_cache: PrefixCache | None = None,
         store: TieredKVStore | None = None,
+        events: str | None = None,
     ):
+        """`events`: None (no events kept), "hashes" or "tokens" (token ids too: an opt-in)."""
         self.block_size = block_size
         self.prefix_cache = prefix_cache
         self.store = store if prefix_cache is not None else None
@@ -130,6 +133,8 @@ class KVCacheManager:
         self.loads: dict[int, KVLoad] = {}  # by KVRequest.seq_id: lookups in the tiers
         self.pending_saves: list[BlockSave] = []
         self.pending_loads: list[BlockLoad] = []
+        self.events: list[KVCacheEvent] | None = [] if events else None
+        self.event_token_ids = events == "tokens"
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -243,26 +248,54 @@ class KVCacheManager:
         handle, held = self.prefix_cache.insert(
             done.handle, tokens, table[done.num_blocks : full], request.extra_key, keys
         )
+        stored = []
         for i, block in enumerate(held, start=done.num_blocks):
             if block is not table[i]:  # someone cached this prefix first: share theirs, drop ours
                 self.pool.incr_ref([block])
                 self.pool.free_blocks([table[i]])
                 table[i] = block
-            elif self.store is not None and block.block_key is None:
+            elif block.block_key is None:
                 self._offer(block, request.block_keys[i])
+                stored.append(i)
         self.cached_prefixes[request.seq_id] = CachedPrefix(handle, full)
+        if stored and self.events is not None:
+            self._announce_stored(request, stored)
 
     def _offer(self, block: KVCacheBlock, key: bytes) -> None:
         """A block this request computed is cached now: the tiers may want it now and on eviction."""
         block.block_key = key
-        if self.store.saves_on_fill:
+        if self.store is not None and self.store.saves_on_fill:
             self.pending_saves.append(BlockSave(key, block.block_id, filled=True))
 
+    def _announce_stored(self, request: KVRequest, indexes: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks, with the parent of its first."""
+        bs, keys = self.block_size, request.block_keys
+        runs: list[list[int]] = []
+        for i in indexes:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            tokens = request.all_token_ids[run[0] * bs : (run[-1] + 1) * bs] if self.event_token_ids else []
+            parent = keys[run[0] - 1] if run[0] else None
+            self.events.append(BlockStored([keys[i] for i in run], parent, tokens, bs))
+
     def _on_evict(self, blocks: list[KVCacheBlock]) -> None:
+        removed = []
         for block in blocks:
-            if block.block_key is not None and self.store is not None and self.store.saves_on_evict:
+            if block.block_key is None:
+                continue
+            if self.store is not None and self.store.saves_on_evict:
                 self.pending_saves.append(BlockSave(block.block_key, block.block_id, filled=False))
+            removed.append(block.block_key)
             block.block_key = None
+        if removed and self.events is not None:
+            self.events.append(BlockRemoved(removed))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        events, self.events = self.events or [], [] if self.events is not None else None
+        return events
 
     def take_pending_saves(self) -> list[BlockSave]:
         saves, self.pending_saves = self.pending_saves, []
@@ -355,4 +388,6 @@ class KVCacheManager:
         if self.prefix_cache is not None:
             self.pool.reclaim(self.pool.num_evictable_blocks)
             self.pending_saves.clear()  # forgotten here, not pushed down to the tiers
+            if self.events is not None:
+                self.events = [AllBlocksCleared()]
         return True

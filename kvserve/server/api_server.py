@@ -17,12 +17,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.client import EngineClient, EngineDeadError
+from kvserve.engine.client import EngineClient, EngineDeadError, KVEventsInfo
 from kvserve.engine_args import engine_config
+from kvserve.kv_events.publisher import connectable
 from kvserve.logger import logger
 from kvserve.server.async_utils import with_cancellation
 from kvserve.server.auth import ApiKeys, server_cache_secret
 from kvserve.server.errors import APIError, add_exception_handlers
+from kvserve.server.fields import UnknownFields
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.middleware import BodySizeLimit
 from kvserve.server.protocol import (
@@ -34,8 +36,11 @@ from kvserve.server.protocol import (
     DetokenizeResponse,
     ErrorResponse,
     HealthResponse,
+    KVEventsInfoResponse,
     ModelCard,
     ModelList,
+    RequestModel,
+    ServerInfoResponse,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
@@ -59,6 +64,8 @@ class ServerSettings:
     cache_secret: bytes
     max_request_body_size: int
     stats_log_interval: float
+    host: str = "127.0.0.1"
+    strict_fields: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -68,7 +75,13 @@ class ServerSettings:
             keys = ApiKeys.from_key(args.api_key) if args.api_key else ApiKeys({})
         secret = server_cache_secret(args.cache_secret, engine_config(args))
         return cls(
-            args.served_model_name or args.model, keys, secret, args.max_request_body_size, args.stats_log_interval
+            args.served_model_name or args.model,
+            keys,
+            secret,
+            args.max_request_body_size,
+            args.stats_log_interval,
+            args.host,
+            args.strict_fields,
         )
 
 
@@ -85,15 +98,21 @@ def authenticate(
 Tenant = Annotated[str, Depends(authenticate)]
 
 
+def check_fields(request: RequestModel, raw_request: Request) -> None:
+    raw_request.app.state.unknown_fields.check(request)
+
+
 @router.post("/v1/completions", response_model=CompletionResponse, responses=_STREAMABLE)
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request, tenant: Tenant) -> Any:
+    check_fields(request, raw_request)
     return await raw_request.app.state.openai_serving_completion.create_completion(request, tenant)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMABLE)
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request, tenant: Tenant) -> Any:
+    check_fields(request, raw_request)
     return await raw_request.app.state.openai_serving_chat.create_chat_completion(request, tenant)
 
 
@@ -110,11 +129,13 @@ async def show_available_models(raw_request: Request, tenant: Tenant) -> ModelLi
 async def tokenize(
     request: TokenizeCompletionRequest | TokenizeChatRequest, raw_request: Request, tenant: Tenant
 ) -> TokenizeResponse:
+    check_fields(request, raw_request)
     return await raw_request.app.state.openai_serving_tokenization.create_tokenize(request)
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
 async def detokenize(request: DetokenizeRequest, raw_request: Request, tenant: Tenant) -> DetokenizeResponse:
+    check_fields(request, raw_request)
     return await raw_request.app.state.openai_serving_tokenization.create_detokenize(request)
 
 
@@ -135,6 +156,42 @@ async def metrics(raw_request: Request) -> Response:
 @router.get("/version", response_model=VersionResponse)
 async def show_version() -> VersionResponse:
     return VersionResponse(version=version("kvserve"))
+
+
+@router.get("/server_info", response_model=ServerInfoResponse)
+async def server_info(raw_request: Request) -> ServerInfoResponse:
+    """For routers and tools, without a key (like /health): how this replica keys and announces its cache."""
+    state = raw_request.app.state
+    engine: EngineClient = state.engine
+    info, model = engine.replica_info, engine.model_info
+    return ServerInfoResponse(
+        kvserve_version=version("kvserve"),
+        model=model.model,
+        served_model_name=state.served_model_name,
+        tokenizer_dir=info.tokenizer_dir,
+        block_size=info.block_size,
+        num_kv_blocks=info.num_kv_blocks,
+        kv_capacity_tokens=info.kv_capacity_tokens,
+        max_model_len=model.max_model_len,
+        kv_events=_kv_events_info(info.kv_events, state.host),
+        kv_tiers=list(info.kv_tiers),
+        api_keys_required=not state.api_keys.open,
+    )
+
+
+def _kv_events_info(events: KVEventsInfo | None, host: str) -> KVEventsInfoResponse | None:
+    """Addresses a client can dial: a wildcard host becomes the server's --host, or 127.0.0.1
+    where that is a wildcard too (a router elsewhere puts in the host it reaches us by)."""
+    if events is None:
+        return None
+    dial = "127.0.0.1" if host in ("", "0.0.0.0", "::", "*") else host
+    replay = connectable(events.replay_endpoint, dial) if events.replay_endpoint else None
+    return KVEventsInfoResponse(
+        endpoint=connectable(events.endpoint, dial),
+        replay_endpoint=replay,
+        topic=events.topic,
+        token_ids=events.token_ids,
+    )
 
 
 @asynccontextmanager
@@ -159,6 +216,8 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     state = app.state
     state.engine, state.api_keys, state.metrics = engine, settings.api_keys, metrics
     state.stats_log_interval = settings.stats_log_interval
+    state.served_model_name, state.host = settings.served_model_name, settings.host
+    state.unknown_fields = UnknownFields(settings.strict_fields)
     serving = (engine, settings.served_model_name, metrics, settings.cache_secret)
     state.openai_serving_completion = OpenAIServingCompletion(*serving)
     state.openai_serving_chat = OpenAIServingChat(*serving)

@@ -30,4 +30,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=int, default=256, help="more waiting requests get 429")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain requests after SIGTERM")
     parser.add_argument("--max-request-body-size", type=int, default=4 * 2**20, help="bytes; larger bodies get 413")
+    parser.add_argument(
+        "--strict-fields",
+        action="store_true",
+        help="refuse requests with fields kvserve does not know (400); default: ignore them, logged once per name",
+    )
     parser.add_argument("--stats-log-interval", type=float, default=5.0, help="seconds between stats log lines")

@@ -1,7 +1,9 @@
 """Request and response models of the OpenAI-compatible API (names and defaults as in vLLM).
 
-Request models are strict and forbid unknown fields, and their constraints mirror
-`SamplingParams`, so `/openapi.json` tells the truth about what is accepted.
+Request models are strict about the fields they know, and their constraints mirror
+`SamplingParams`, so `/openapi.json` tells the truth about what is accepted. Fields they
+do not know are kept aside (`extra="allow"`, as vLLM does), for the server to ignore or,
+under `--strict-fields`, refuse (`unknown_fields`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
-from kvserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from kvserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
 
 def _whole_number(value: object) -> object:
@@ -38,7 +40,19 @@ Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
 class RequestModel(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+def unknown_fields(model: BaseModel, path: tuple[str | int, ...] = ()) -> list[tuple[str | int, ...]]:
+    """Paths of the fields a request had that its models do not know, nested ones too."""
+    found = [(*path, name) for name in model.model_extra or ()]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                found += unknown_fields(item, (*path, name) if i is None else (*path, name, i))
+    return found
 
 
 # --- errors ---------------------------------------------------------------------------
@@ -87,12 +101,38 @@ class SamplingRequest(RequestModel):
     cache_salt: NonEmptyStr | None = Field(
         None, description="splits the caller's prefix cache further; never shares it with another tenant"
     )
+    use_beam_search: bool = Field(False, description="beam search with n beams; the n best are the choices (vLLM's)")
+    length_penalty: Number = Field(1.0, description="beam search: a finished beam scores logprob sum / len ** this")
+    early_stopping: bool | Literal["never"] = Field(
+        False, description='beam search: true, false or "never", as in transformers'
+    )
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         return self
+
+    @model_validator(mode="after")
+    def _beam_search_takes_no_sampling_fields(self) -> SamplingRequest:
+        if not self.use_beam_search:
+            return self
+        if self.stream:
+            raise ValueError("stream is not supported with use_beam_search: beams change until the search ends")
+        for name, neutral in _NOT_FOR_BEAM_SEARCH.items():
+            if not _is_one_of(getattr(self, name, None), neutral):
+                raise ValueError(f"{name} is not supported with use_beam_search (it picks beams by logprob sums)")
+        return self
+
+    def to_beam_search_params(self, max_tokens: int) -> BeamSearchParams:
+        return BeamSearchParams(
+            beam_width=self.n,
+            max_tokens=max_tokens,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+        )
 
     def sampling_fields(self) -> dict[str, Any]:
         """The fields SamplingParams shares with every request, where set (max_tokens, logprobs differ)."""
@@ -102,6 +142,27 @@ class SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+# the values of sampling fields that leave beam search as it is (unset, or their no-op)
+_NOT_FOR_BEAM_SEARCH: dict[str, tuple[object, ...]] = {
+    "temperature": (None, 0),
+    "top_p": (None, 1),
+    "top_k": (None, 0, -1),
+    "min_p": (None, 0),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "seed": (None,),
+    "min_tokens": (0,),
+    "stop": (None, []),
+    "logprobs": (None, False),  # completions: a count; chat: a flag
+}
+
+
+def _is_one_of(value: object, allowed: tuple[object, ...]) -> bool:
+    """Equal to one of `allowed`, where a boolean equals only a boolean (logprobs 0 is not false)."""
+    return any(value is a or (not isinstance(value, bool) and not isinstance(a, bool) and value == a) for a in allowed)
 
 
 # --- completions ------------------------------------------------------------------------------
@@ -325,3 +386,26 @@ class VersionResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: str
+
+
+class KVEventsInfoResponse(BaseModel):
+    endpoint: str = Field(description="ZMQ PUB address to connect a SUB socket to")
+    replay_endpoint: str | None = Field(description="ZMQ ROUTER address that resends batches from a sequence number")
+    topic: str
+    token_ids: bool = Field(description="whether BlockStored events carry token ids")
+
+
+class ServerInfoResponse(BaseModel):
+    """What a router needs to route to this replica by its cache: no secret in it."""
+
+    kvserve_version: str
+    model: str = Field(description="as configured: a short name, a directory or a .gguf file")
+    served_model_name: str
+    tokenizer_dir: str = Field(description="absolute path of the checkpoint directory the tokenizer was loaded from")
+    block_size: int
+    num_kv_blocks: int
+    kv_capacity_tokens: int
+    max_model_len: int
+    kv_events: KVEventsInfoResponse | None
+    kv_tiers: list[str] = Field(description="the tiers below the device pool, in order")
+    api_keys_required: bool

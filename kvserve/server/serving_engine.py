@@ -13,7 +13,7 @@ from jinja2 import TemplateError
 from kvserve.engine.client import EngineClient, QueueFullError
 from kvserve.logger import logger
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.server.async_utils import merge_async_iterators
 from kvserve.server.auth import cache_salt
 from kvserve.server.errors import APIError, bad_request, value_error
@@ -77,8 +77,10 @@ class OpenAIServing:
 
     def sampling_params(
         self, request: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
-    ) -> SamplingParams:
+    ) -> SamplingParams | BeamSearchParams:
         try:
+            if request.use_beam_search:  # no max_tokens: up to the context (the engine caps it)
+                return request.to_beam_search_params(max_tokens or self.max_model_len)
             return request.to_sampling_params(max_tokens)
         except ValueError as e:
             raise value_error(e, set(type(request).model_fields)) from e
@@ -86,7 +88,7 @@ class OpenAIServing:
     def generate(
         self,
         prompts: list[list[int]],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str,
         tenant: str,
         client_salt: str | None,
@@ -97,7 +99,7 @@ class OpenAIServing:
         return merge_async_iterators(*streams)
 
     async def _generate_one(
-        self, prompt: list[int], params: SamplingParams, request_id: str, salt: str, tenant: str
+        self, prompt: list[int], params: SamplingParams | BeamSearchParams, request_id: str, salt: str, tenant: str
     ) -> AsyncIterator[RequestOutput]:
         first = True
         async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=salt)) as outputs:
@@ -121,7 +123,7 @@ class OpenAIServing:
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from e
         except ValueError as e:
-            raise value_error(e, fields, rename) from e
+            raise value_error(e, fields, {"beam_width": "n", **(rename or {})}) from e  # n is the beam width
 
 
 def usage(finals: list[RequestOutput]) -> UsageInfo:

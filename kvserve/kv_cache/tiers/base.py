@@ -57,8 +57,11 @@ class KVTier(ABC):
         checksum) is a miss: counted as a "corrupt" error and deleted."""
 
     @abstractmethod
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[tuple[bytes, bytes | memoryview]]:
-        """Store (key, payload) pairs; returns the pairs evicted to make room, for the tier below."""
+    def put(
+        self, items: Sequence[tuple[bytes, bytes | memoryview]]
+    ) -> list[tuple[bytes, bytes | memoryview]] | list[tuple[bytes, None]]:
+        """Store (key, payload) pairs; returns the pairs evicted to make room, for the tier below
+        (payload None from a tier that deletes what it evicts: the last local one, disk)."""
 
     @property
     @abstractmethod

@@ -94,7 +94,8 @@ class DiskTier(KVTier):
         self.stats.add(hits=len(found), read_bytes=sum(len(p) for p in found))
         return out
 
-    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[tuple[bytes, bytes | memoryview]]:
+    def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[tuple[bytes, None]]:
+        """Returns the blocks evicted to make room, payload None: the last local tier deletes them."""
         views = [(key, self._check_payload(payload)) for key, payload in items]
         with self._lock:
             new, seen = [], set()
@@ -124,8 +125,7 @@ class DiskTier(KVTier):
         self._end_io(fault, "write")
         self.stats.add(stored_blocks=written, written_bytes=written * self.namespace.block_nbytes)
         self.stats.add(dropped_writes=len(new) - written)
-        self._evict_over_capacity()
-        return []  # the last local tier: evicted blocks are deleted, not handed down
+        return [(key, None) for key in self._evict_over_capacity()]
 
     @property
     def used_bytes(self) -> int:
@@ -193,7 +193,7 @@ class DiskTier(KVTier):
                 self._used += self._file_size
             self._index.move_to_end(key)
 
-    def _evict_over_capacity(self) -> None:
+    def _evict_over_capacity(self) -> list[bytes]:
         with self._lock:
             victims = []
             while self._used > self._capacity and self._index:
@@ -202,6 +202,7 @@ class DiskTier(KVTier):
                 victims.append(key)
         for key in victims:
             self._unlink(self.path(key))
+        return victims
 
     def _forget(self, key: bytes) -> None:
         with self._lock:

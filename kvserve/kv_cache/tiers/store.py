@@ -12,6 +12,11 @@ Loading. `start_load` plans from the local tiers' in-memory indexes; a run serve
 host RAM alone is read at once, anything needing disk or Redis (one batched read per
 tier) runs on a loader thread while the request waits and others run. A block found
 nowhere ends the run: only a contiguous prefix is useful.
+
+Events. With `on_events`, blocks entering and leaving the local tiers are announced as KV
+events (medium "CPU" for host RAM, "STORAGE" for disk), from the engine's thread for host
+RAM and from the writer's for disk. Redis is shared by every replica, so it says nothing
+about where to route: its blocks are not announced.
 """
 
 from __future__ import annotations
@@ -20,17 +25,19 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvserve.kv_cache.events import DISK, HOST, BlockRemoved, BlockStored, KVCacheEvent
 from kvserve.kv_cache.tiers.base import KVTier
 from kvserve.kv_cache.tiers.breaker import BreakerState
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
 from kvserve.logger import logger
 
 Payload = bytes | memoryview
+EventSink = Callable[[list[KVCacheEvent]], object]  # called from the engine's and the writer's threads
 # seconds; a load from RAM takes microseconds, from disk or Redis on loopback milliseconds
 LOAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -100,25 +107,80 @@ class KVLoad:
         return self.result or []
 
 
+Names = dict[bytes, bytes]  # tier key -> block key, for the blocks of one save
+AfterPut = Callable[[KVTier, list[tuple[bytes, Payload]], list[tuple[bytes, object]], Names], object]
+
+
+class _TierEvents:
+    """BlockStored / BlockRemoved as blocks enter and leave the local tiers, from any thread.
+
+    A tier key is a digest of its block key (no way back), so this keeps the block key of
+    every tier key a local tier holds: bounded by the tiers' contents.
+    """
+
+    MEDIA = {"host": HOST, "disk": DISK}
+
+    def __init__(self, block_size: int, sink: EventSink):
+        self.block_size, self.sink = block_size, sink
+        self._held: dict[str, dict[bytes, bytes]] = {name: {} for name in self.MEDIA}  # tier key -> block key
+        self._lock = threading.Lock()
+
+    def after_put(
+        self, tier: KVTier, items: list[tuple[bytes, Payload]], evicted: list[tuple[bytes, object]], names: Names
+    ) -> Names:
+        """Announce what `tier.put(items)` stored and evicted; returns the evicted blocks' keys."""
+        held, out = self._held[tier.name], [k for k, _ in evicted]
+        with self._lock:
+            fresh = [k for k in dict.fromkeys(k for k, _ in items) if k not in held and k in names]
+        stored = [k for k in fresh if k in out or tier.contains([k])]  # some puts are dropped
+        with self._lock:
+            held.update((k, names[k]) for k in stored)
+            gone = {k: held.pop(k) for k in out if k in held}
+        medium = self.MEDIA[tier.name]
+        events: list[KVCacheEvent] = []
+        if stored:  # no parent: a tier takes blocks in eviction order, not in chains
+            events.append(BlockStored([names[k] for k in stored], None, [], self.block_size, medium=medium))
+        if gone:
+            events.append(BlockRemoved(list(gone.values()), medium=medium))
+        if events:
+            self.sink(events)
+        return gone
+
+    def announce_held(self) -> None:
+        """Every block the local tiers hold, as BlockStored (after an AllBlocksCleared)."""
+        with self._lock:
+            held = {name: list(keys.values()) for name, keys in self._held.items()}
+        events: list[KVCacheEvent] = [
+            BlockStored(keys, None, [], self.block_size, medium=self.MEDIA[name]) for name, keys in held.items() if keys
+        ]
+        if events:
+            self.sink(events)
+
+
 class _Writer:
     """One thread writing batches to the slow tiers, fed by a bounded queue."""
 
-    def __init__(self, max_batches: int):
-        self.queue: queue.Queue[tuple[KVTier, list[tuple[bytes, Payload]]] | None] = queue.Queue(max_batches)
+    def __init__(self, max_batches: int, after_put: AfterPut | None = None):
+        self.queue: queue.Queue[tuple[KVTier, list[tuple[bytes, Payload]], Names | None] | None] = queue.Queue(
+            max_batches
+        )
+        self.after_put = after_put
         self.thread = threading.Thread(target=self._run, name="kvserve-kv-writer", daemon=True)
         self.thread.start()
 
-    def submit(self, tier: KVTier, items: list[tuple[bytes, Payload]]) -> None:
+    def submit(self, tier: KVTier, items: list[tuple[bytes, Payload]], names: Names | None = None) -> None:
         try:
-            self.queue.put_nowait((tier, items))
+            self.queue.put_nowait((tier, items, names))
         except queue.Full:
             tier.stats.add(dropped_writes=len(items))
 
     def _run(self) -> None:
         while (job := self.queue.get()) is not None:
-            tier, items = job
+            tier, items, names = job
             try:
-                tier.put(items)
+                evicted = tier.put(items)
+                if self.after_put is not None and names is not None:
+                    self.after_put(tier, items, evicted, names)
             except Exception:  # a tier bug must not kill the writer; the blocks just aren't stored
                 logger.exception("KV tier %s failed a write", tier.name)
             finally:
@@ -140,6 +202,7 @@ class TieredKVStore:
         write_policy: WritePolicy = WritePolicy.WRITE_BACK,
         load_timeout: float = 2.0,
         max_queued_writes: int = 64,
+        on_events: EventSink | None = None,
     ):
         self.namespace = namespace
         self.tiers = list(tiers)
@@ -152,7 +215,8 @@ class TieredKVStore:
         self._shared_known: OrderedDict[bytes, None] = OrderedDict()  # keys a shared tier holds (bounded)
         self._lock = threading.Lock()  # _shared_known: the loader thread adds to it too
         self._loader = ThreadPoolExecutor(1, thread_name_prefix="kvserve-kv-load")
-        self._writer = _Writer(max_queued_writes)
+        self.events = _TierEvents(namespace.block_size, on_events) if on_events is not None else None
+        self._writer = _Writer(max_queued_writes, self.events.after_put if self.events is not None else None)
 
     @property
     def saves_on_fill(self) -> bool:
@@ -178,31 +242,38 @@ class TieredKVStore:
     def save(self, block_keys: Sequence[bytes], payloads: Sequence[Payload], filled: bool) -> None:
         """Blocks just filled (`filled`) or just evicted from the device pool."""
         items = list(zip(self.keys(block_keys), payloads, strict=True))
+        # only with events: which block each tier key stands for (a tier key is a one-way digest)
+        names = {k: b for (k, _), b in zip(items, block_keys, strict=True)} if self.events is not None else None
         if filled:
             if self.write_policy is WritePolicy.WRITE_THROUGH:
                 for tier in self.local:
-                    self._put(tier, items)
+                    self._put(tier, items, names)
             fresh = [(k, p) for k, p in items if k not in self._shared_known]
             for tier in self.shared:
                 self._put(tier, fresh)
             self._remember_shared(k for k, _ in fresh)
         elif self.write_policy is WritePolicy.WRITE_BACK and self.local:
-            self._put_down(0, items)
+            self._put_down(0, items, names)
 
-    def _put_down(self, level: int, items: list[tuple[bytes, Payload]]) -> None:
+    def _put_down(self, level: int, items: list[tuple[bytes, Payload]], names: Names | None) -> None:
         """Write to local tier `level`; what it evicts goes to the next one (write-back)."""
         if level >= len(self.local) or not items:
             return
-        evicted = self._put(self.local[level], items)
+        evicted = self._put(self.local[level], items, names)
         if self.write_policy is WritePolicy.WRITE_BACK:
-            self._put_down(level + 1, evicted)
+            self._put_down(level + 1, evicted, names)
 
-    def _put(self, tier: KVTier, items: list[tuple[bytes, Payload]]) -> list[tuple[bytes, Payload]]:
+    def _put(
+        self, tier: KVTier, items: list[tuple[bytes, Payload]], names: Names | None = None
+    ) -> list[tuple[bytes, Payload]]:
         if not items:
             return []
         if tier.name == "host":  # in-memory: cheaper done here than queued
-            return tier.put(items)
-        self._writer.submit(tier, items)
+            evicted = tier.put(items)
+            if self.events is not None and names is not None:
+                names.update(self.events.after_put(tier, items, evicted, names))  # they may go down a tier
+            return evicted
+        self._writer.submit(tier, items, dict(names) if names is not None else None)
         return []
 
     def _remember_shared(self, keys: Iterable[bytes]) -> None:
@@ -303,6 +374,11 @@ class TieredKVStore:
                 )
             )  # fmt: skip
         return snaps
+
+    def announce_held(self) -> None:
+        """With events: announce again what the local tiers hold (the device pool was just cleared)."""
+        if self.events is not None:
+            self.events.announce_held()
 
     def flush(self) -> None:
         """Wait for queued writes (tests, benchmarks and shutdown)."""
