@@ -207,3 +207,8 @@ def test_a_request_waits_for_its_load_while_others_run(tiny_model_dir, redis_ser
         engine.step()
     engine.kv.check_integrity()
     assert engine.kv.pool.num_used_blocks == 0 and not engine.kv.loads
+
+
+def test_a_tier_smaller_than_one_block_is_refused(tiny_model_dir):
+    with pytest.raises(ValueError, match="kv_host_memory=1024 bytes holds no KV block"):
+        make(tiny_model_dir, kv_host_memory="1KiB")
