@@ -17,14 +17,17 @@ PACKAGE = Path(__file__).resolve().parent.parent / "kvserve"
 FOUNDATION = {"config", "logger", "outputs", "sampling_params", "engine_args", "tokenizer"}
 ALLOWED = {
     "kv_cache": {"logger"},
+    "kv_events": {"kv_cache", "logger"},
     "kernels": {"config", "logger"},
     "layers": {"kernels", "outputs", "sampling_params"},
     "platforms": {"kernels", "layers"},
     "models": {"platforms", "layers", "kernels", "config", "logger"},
-    "engine": {"models", "platforms", "layers", "kv_cache", *FOUNDATION},
-    "server": {"engine", "kv_cache", *FOUNDATION},
-    "bench": {"engine", "models", "kvserve", *FOUNDATION},
-    "entrypoints": {"server", "bench", "engine", "models", *FOUNDATION},
+    "engine": {"models", "platforms", "layers", "kv_cache", "kv_events", *FOUNDATION},
+    "server": {"engine", "kv_cache", "kv_events", *FOUNDATION},
+    "bench": {"engine", "models", "platforms", "kv_cache", "kvserve", *FOUNDATION},
+    # the torch-free parts of server (auth, protocol, errors, SSE): test_these_imports_leave_torch_out checks it
+    "router": {"kv_cache", "kv_events", "server", "logger"},
+    "entrypoints": {"server", "router", "bench", "engine", "models", *FOUNDATION},
 }
 
 
@@ -112,7 +115,9 @@ def test_foundation_modules_import_only_each_other():
         ["kvserve.kv_cache.kv_cache_manager", "kvserve.kv_cache.radix_cache", "kvserve.kv_cache.hash_chain_cache"],
         ["kvserve.kv_cache.tiers.store", "kvserve.kv_cache.tiers.host", "kvserve.kv_cache.tiers.disk"],
         ["kvserve.kv_cache.tiers.redis_tier", "kvserve.models.fingerprint"],
+        ["kvserve.kv_events.wire", "kvserve.kv_events.publisher", "kvserve.kv_events.subscriber"],
         ["kvserve.server.protocol", "kvserve.sampling_params", "kvserve.config", "kvserve.engine_args"],
+        ["kvserve.router.app", "kvserve.router.args"],
     ],
 )
 def test_these_imports_leave_torch_out(modules):

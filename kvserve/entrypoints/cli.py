@@ -1,4 +1,4 @@
-"""`kvserve` command line: serve, generate, chat, bench, cache."""
+"""`kvserve` command line: serve, router, generate, chat, bench, cache."""
 
 from __future__ import annotations
 
@@ -77,11 +77,24 @@ def stream_reply(engine, prompt: str, sp) -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    from kvserve.server.api_server import run_server
-
     if args.model_tag is not None:
         args.model = args.model_tag
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.replicas > 1:
+        from kvserve.entrypoints.cluster import run_cluster  # this process runs the router: it never loads torch
+
+        run_cluster(args)
+        return
+    from kvserve.server.api_server import run_server
+
     run_server(args)
+
+
+def cmd_router(args: argparse.Namespace) -> None:
+    from kvserve.router.app import run_router  # no torch: the router's process never loads it
+
+    run_router(args)
 
 
 def cmd_cache_clear(args: argparse.Namespace) -> None:
@@ -100,7 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model_tag", nargs="?", default=None, help="the model to serve (same as --model)")
     add_engine_args(serve)
     add_server_args(serve)
+    from kvserve.entrypoints.cluster import add_cluster_args
+
+    add_cluster_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    from kvserve.router.args import add_router_args
+
+    router = sub.add_parser("router", help="OpenAI-compatible front for several replicas, routing by their KV caches")
+    add_router_args(router)
+    router.set_defaults(func=cmd_router)
 
     gen = sub.add_parser("generate", help="one completion for a prompt")
     gen.add_argument("prompt")

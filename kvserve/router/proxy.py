@@ -1,0 +1,393 @@
+"""Forwarding a request to the chosen replica: retried elsewhere until it has started, migrated after.
+
+Before anything reached the client (a whole response, or a stream's first event), a
+refused or reset connection, a 5xx or a 429 sends the request to the next best replica
+(the 429 without counting against the replica). A client's 4xx is the client's: passed
+on as it came, never counted. Once a stream has started, a cut (the connection reset, the
+stream ending without [DONE], a server error event, or its replica found dead by a
+health check) continues the stream on another replica (`migration`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import Response
+from starlette.types import Receive, Scope, Send
+
+from kvserve.logger import logger
+from kvserve.router.metrics import RouterMetrics
+from kvserve.router.migration import StreamCut, StreamProgress, upstream_body
+from kvserve.router.policy import Decision, Policy
+from kvserve.router.replicas import Flight, Replica, ReplicaSet
+from kvserve.router.request import RoutedRequest, block_keys, client_salt
+from kvserve.router.tokenizer import RouterTokenizer
+from kvserve.server.errors import APIError
+from kvserve.server.sse import DONE, EventSourceResponse
+
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+_END = object()
+
+
+class Retry(Exception):
+    """This replica could not take the request; another may."""
+
+    def __init__(self, reason: str, response: httpx.Response | None = None):
+        super().__init__(reason)
+        self.reason, self.response = reason, response
+
+
+class Refused(Exception):
+    """The replica answered with the client's error (4xx): pass it on."""
+
+    def __init__(self, response: httpx.Response):
+        super().__init__(response.status_code)
+        self.response = response
+
+
+class Upstream:
+    """A replica's event stream, read by a task of its own so that a health check can cut it."""
+
+    def __init__(self, replica: Replica, decision: Decision, response: httpx.Response, flight: Flight):
+        self.replica, self.decision, self.response, self.flight = replica, decision, response, flight
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._task = asyncio.create_task(self._pump())
+        flight.abort = self._task.cancel
+
+    async def _pump(self) -> None:
+        try:
+            async for line in self.response.aiter_lines():
+                if line.startswith("data: "):
+                    self._queue.put_nowait(line[len("data: ") :])
+            self._queue.put_nowait(_END)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(StreamCut("its replica was found dead"))
+        except Exception as e:  # reset, incomplete chunked body, ...
+            self._queue.put_nowait(e)
+        finally:
+            await self.response.aclose()
+
+    async def next(self) -> str:
+        item = await self._queue.get()
+        if item is _END:
+            raise StreamCut("the stream ended without [DONE]")
+        if isinstance(item, Exception):
+            raise item
+        return item
+
+    def stop(self) -> None:
+        """Stop reading; its task closes the response (nothing to await: a cancelled caller cannot skip it)."""
+        self._task.cancel()
+
+
+@dataclass
+class Relay:
+    """The upstream a client's stream is reading now (another one after a migration)."""
+
+    upstream: Upstream
+    first: str | None
+
+
+class RelayResponse(EventSourceResponse):
+    """Releases the relay's upstream however the response ends, even if its body never started."""
+
+    def __init__(
+        self, events: AsyncIterator[str], relay: Relay, release: Callable[[Upstream], None], headers: dict[str, str]
+    ):
+        super().__init__(events, headers=headers)
+        self.relay, self.release = relay, release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release(self.relay.upstream)  # the one of the moment: after a migration, not the first
+
+
+class Proxy:
+    def __init__(
+        self,
+        replicas: ReplicaSet,
+        policy: Policy,
+        metrics: RouterMetrics,
+        client: httpx.AsyncClient,
+        secret: bytes,
+        tokenizer: RouterTokenizer | None = None,
+    ):
+        self.replicas, self.policy, self.metrics, self.client = replicas, policy, metrics, client
+        self.secret = secret
+        self.tokenizer = tokenizer  # set once discovered; token ids of streamed text, for migration
+
+    def choose(self, request: RoutedRequest, exclude: set[int]) -> Decision | None:
+        started = time.perf_counter()
+        candidates = self.replicas.candidates(exclude)
+        decision = self.policy.choose(request, candidates)
+        self.metrics.decision_seconds.observe(time.perf_counter() - started)
+        return decision
+
+    async def forward(self, request: RoutedRequest) -> Response:
+        return await (self._stream(request) if request.stream else self._complete(request))
+
+    # whole responses
+
+    async def _complete(self, request: RoutedRequest) -> Response:
+        exclude: set[int] = set()
+        last: httpx.Response | None = None
+        while (decision := self.choose(request, exclude)) is not None:
+            r = decision.replica
+            try:
+                response = await self._post(decision, request)
+            except Retry as e:
+                exclude.add(r.index)
+                last = e.response or last
+                self.metrics.retries.labels(e.reason).inc()
+                continue
+            except Refused as e:
+                return _passed_on(e.response, decision)
+            self._record_usage(decision, request, response.json().get("usage"))
+            return _passed_on(response, decision)
+        return _passed_on(last, None) if last is not None else _unavailable()
+
+    async def _post(self, decision: Decision, request: RoutedRequest) -> httpx.Response:
+        r = decision.replica
+        flight = self._start_flight(decision, request)
+        task = asyncio.ensure_future(
+            self.client.post(f"{r.url}{PATHS[request.kind]}", json=request.body, headers=_headers(request))
+        )
+        flight.abort = task.cancel
+        try:
+            await asyncio.wait({task})
+        finally:
+            task.cancel()  # the client left: so does the replica's request
+            self._end_flight(r, flight)
+        if task.cancelled():
+            raise Retry("replica_dead")
+        try:
+            response = task.result()
+        except httpx.TransportError as e:
+            raise self._transport_failed(r, e) from e
+        return self._check_status(r, response)
+
+    def _check_status(self, r: Replica, response: httpx.Response) -> httpx.Response:
+        if response.status_code >= 500:
+            self.replicas.failed(r, f"HTTP {response.status_code}")
+            raise Retry("server_error", response)
+        if response.status_code == 429:
+            raise Retry("queue_full", response)
+        if response.status_code != 200:
+            raise Refused(response)
+        self.replicas.succeeded(r)
+        return response
+
+    def _transport_failed(self, r: Replica, error: httpx.TransportError) -> Retry:
+        """Refused or reset: the replica is out at once. A timeout: maybe only busy (or this router starved
+        of CPU); the request goes elsewhere and the health checks decide."""
+        if refused_or_reset(error):
+            self.replicas.connection_failed(r, error)
+            return Retry("connection")
+        return Retry("timeout")
+
+    # streams
+
+    async def _stream(self, request: RoutedRequest) -> Response:
+        progress = StreamProgress(request, self.tokenizer)
+        body = upstream_body(request)
+        exclude: set[int] = set()
+        last: httpx.Response | None = None
+        while (decision := self.choose(request, exclude)) is not None:
+            try:
+                upstream, first = await self._open(decision, request, PATHS[request.kind], body)
+            except Retry as e:
+                exclude.add(decision.replica.index)
+                last = e.response or last
+                self.metrics.retries.labels(e.reason).inc()
+                continue
+            except Refused as e:
+                return _passed_on(e.response, decision)
+            relay = Relay(upstream, first)
+            events = self._relay(request, progress, relay, exclude)
+            return RelayResponse(events, relay, self._release, _routing_headers(decision))
+        return _passed_on(last, None) if last is not None else _unavailable()
+
+    async def _open(
+        self, decision: Decision, request: RoutedRequest, path: str, body: dict[str, Any]
+    ) -> tuple[Upstream, str]:
+        """The upstream stream and its first event (so that nothing is promised to the client before it)."""
+        r = decision.replica
+        flight = self._start_flight(decision, request)
+        upstream = None
+        try:
+            try:
+                sent = self.client.build_request("POST", f"{r.url}{path}", json=body, headers=_headers(request))
+                response = await self.client.send(sent, stream=True)
+            except httpx.TransportError as e:
+                raise self._transport_failed(r, e) from e
+            if response.status_code != 200:
+                try:
+                    await response.aread()
+                finally:
+                    await response.aclose()
+                self._check_status(r, response)  # raises: not 200
+            upstream = Upstream(r, decision, response, flight)
+            try:
+                first = await upstream.next()
+            except (StreamCut, httpx.TransportError) as e:
+                self._cut(upstream, e)
+                raise Retry("cut_before_first_event") from e
+        except BaseException:  # cancelled too: the flight must not outlive the attempt
+            self._end_flight(r, flight)
+            if upstream is not None:
+                upstream.stop()
+            raise
+        flight.started = True
+        return upstream, first
+
+    async def _relay(
+        self, request: RoutedRequest, progress: StreamProgress, relay: Relay, exclude: set[int]
+    ) -> AsyncIterator[str]:
+        while True:
+            upstream = relay.upstream
+            try:
+                data, relay.first = relay.first or await upstream.next(), None
+                upstream.flight.generated += 1
+                out = progress.accept(data)
+            except (StreamCut, httpx.TransportError, ValueError) as e:
+                self._cut(upstream, e)
+                exclude.add(upstream.replica.index)
+                if request.migratable and progress.finished:  # cut after its last token: only the end is lost
+                    if (usage := progress.final_usage()) is not None:
+                        yield f"data: {usage}\n\n"
+                    yield DONE
+                    return
+                moved = await self._migrate(request, progress, exclude) if request.migratable else None
+                if moved is None:
+                    yield _error_event("the replica serving this stream failed")
+                    yield DONE
+                    return
+                relay.upstream, relay.first = moved
+                continue
+            if progress.done:  # before the last yield: the client may close the connection on [DONE]
+                self._stream_finished(upstream, request, progress)
+            if out is not None:
+                yield f"data: {out}\n\n"
+            if progress.done:
+                return
+
+    def _cut(self, upstream: Upstream, error: Exception) -> None:
+        r = upstream.replica
+        logger.warning("router: stream on replica %d (%s) cut: %s", r.index, r.url, error or type(error).__name__)
+        if refused_or_reset(error):
+            self.replicas.connection_failed(r, error)
+        elif isinstance(error, StreamCut):
+            self.replicas.failed(r, str(error))
+        self._release(upstream)
+
+    def _release(self, upstream: Upstream) -> None:
+        self._end_flight(upstream.replica, upstream.flight)
+        upstream.stop()
+
+    async def _migrate(
+        self, request: RoutedRequest, progress: StreamProgress, exclude: set[int]
+    ) -> tuple[Upstream, str] | None:
+        """Continue the stream on the best other replica; None if none would."""
+        while True:
+            body = progress.continuation_body()
+            prompt = body["prompt"]
+            keys = block_keys([prompt], self._block_size(), self.secret, request.tenant, client_salt(request.body))
+            moved = RoutedRequest("completion", body, request.tenant, request.authorization, [prompt], keys)
+            decision = self.choose(moved, exclude)
+            if decision is None:
+                self.metrics.migrations.labels("failed").inc()
+                logger.error("router: no replica to continue a cut stream on")
+                return None
+            try:
+                upstream, first = await self._open(decision, moved, PATHS["completion"], body)
+            except Retry:
+                exclude.add(decision.replica.index)
+                continue
+            except Refused as e:
+                self.metrics.migrations.labels("failed").inc()
+                logger.error("router: the continuation of a cut stream was refused: HTTP %d", e.response.status_code)
+                return None
+            self.metrics.migrations.labels("ok").inc()
+            logger.info(
+                "router: stream continued on replica %d after %d tokens",
+                decision.replica.index,
+                progress.continuation.base_tokens if progress.continuation else 0,
+            )
+            return upstream, first
+
+    def _stream_finished(self, upstream: Upstream, request: RoutedRequest, progress: StreamProgress) -> None:
+        self.replicas.succeeded(upstream.replica)
+        if progress.continuation is None:  # a continuation's prompt is not the one predicted for
+            self._record_usage(upstream.decision, request, progress.usage)
+
+    # bookkeeping
+
+    def _start_flight(self, decision: Decision, request: RoutedRequest) -> Flight:
+        r = decision.replica
+        flight = Flight(request.num_prompt_tokens, decision.uncached_tokens)
+        r.add_flight(flight)
+        for keys in request.keys:
+            r.sent.record(keys)
+        self.metrics.routed.labels(r.url).inc()
+        self.metrics.in_flight.labels(r.url).set(len(r.flights))
+        return flight
+
+    def _end_flight(self, r: Replica, flight: Flight) -> None:
+        r.end_flight(flight)
+        self.metrics.in_flight.labels(r.url).set(len(r.flights))
+
+    def _record_usage(self, decision: Decision, request: RoutedRequest, usage: dict[str, Any] | None) -> None:
+        r = decision.replica
+        if usage is None or not request.prompts:
+            return
+        reported = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        self.metrics.cached_tokens(r, decision.predicted_cached_tokens, reported)
+        if sum(len(k) for k in request.keys) * self._block_size() > decision.predicted_cached_tokens:
+            r.expect_events(request.arrived)  # its blocks were stored after it arrived
+
+    def _block_size(self) -> int:
+        info = self.replicas.info()
+        return info.block_size if info else 1
+
+
+def refused_or_reset(error: Exception) -> bool:
+    return isinstance(error, httpx.ConnectError | httpx.ReadError | httpx.RemoteProtocolError | httpx.WriteError)
+
+
+def _headers(request: RoutedRequest) -> dict[str, str]:
+    return {"authorization": request.authorization} if request.authorization else {}
+
+
+def _routing_headers(decision: Decision | None) -> dict[str, str]:
+    """Which replica answered (its place in --replica) and the cached tokens the router expected there."""
+    if decision is None:
+        return {}
+    return {
+        "x-kvserve-replica": str(decision.replica.index),
+        "x-kvserve-predicted-cached-tokens": str(decision.predicted_cached_tokens),
+    }
+
+
+def _passed_on(response: httpx.Response, decision: Decision | None) -> Response:
+    headers = _routing_headers(decision)
+    if "retry-after" in response.headers:
+        headers["retry-after"] = response.headers["retry-after"]
+    media_type = response.headers.get("content-type", "application/json")
+    return Response(response.content, status_code=response.status_code, media_type=media_type, headers=headers)
+
+
+def _unavailable() -> Response:
+    raise APIError(503, "no replica is available", type="server_error", code="no_replica")
+
+
+def _error_event(message: str) -> str:
+    error = {"error": {"message": message, "type": "server_error", "param": None, "code": "replica_failed"}}
+    return f"data: {json.dumps(error)}\n\n"
