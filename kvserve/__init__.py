@@ -12,17 +12,27 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kvserve.entrypoints.llm import LLM
-    from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
-    from kvserve.sampling_params import SamplingParams
+    from kvserve.outputs import BeamSearchOutput, CompletionOutput, Logprob, RequestOutput
+    from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 _EXPORTS = {
     "LLM": "kvserve.entrypoints.llm",
     "SamplingParams": "kvserve.sampling_params",
+    "BeamSearchParams": "kvserve.sampling_params",
+    "BeamSearchOutput": "kvserve.outputs",
     "RequestOutput": "kvserve.outputs",
     "CompletionOutput": "kvserve.outputs",
     "Logprob": "kvserve.outputs",
 }
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "BeamSearchParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+    "BeamSearchOutput",
+]
 
 
 def __getattr__(name: str) -> Any:

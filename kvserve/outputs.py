@@ -1,4 +1,4 @@
-"""What `LLM.generate` returns, shaped as vLLM's `RequestOutput`."""
+"""What `LLM.generate` returns, shaped as vLLM's `RequestOutput`; `LLM.beam_search`, as vLLM's `BeamSearchOutput`."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
+    score: float | None = None  # beam search: cumulative_logprob / len(token_ids) ** length_penalty
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -46,3 +47,24 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+
+
+@dataclass
+class BeamSearchSequence:
+    """One returned beam, as in vLLM: `tokens` are the prompt's and then the generated ones
+    (EOS included); `text` is the generated text alone."""
+
+    tokens: list[int]
+    cum_logprob: float
+    score: float  # cum_logprob / generated_len ** length_penalty, transformers' sequences_scores
+    text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS or a stop token) or "length"
+    stop_reason: int | None = None  # the stop token id that ended it (None for EOS)
+
+
+@dataclass
+class BeamSearchOutput:
+    """The best beams of one prompt, best first."""
+
+    sequences: list[BeamSearchSequence]
+    prompt_token_ids: list[int]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
@@ -71,6 +72,38 @@ class SamplingParams:
                 raise ValueError(f"stop must be non-empty strings, got {s!r}")
         for t in self.stop_token_ids:
             _check_int("stop_token_ids", t, lo=0)
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search (`LLM.beam_search`), named as in vLLM and scored as in Hugging Face
+    transformers' `generate(num_beams=beam_width, do_sample=False, ...)`."""
+
+    beam_width: int
+    max_tokens: int
+    length_penalty: float = 1.0  # finished beams score sum_logprobs / generated_len ** length_penalty
+    early_stopping: bool | str = False  # True, False or "never", as in transformers
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # end a beam as EOS does (transformers: more eos_token_id)
+    num_return_sequences: int | None = None  # the best finished beams returned; None: beam_width
+
+    def __post_init__(self) -> None:
+        _check_int("beam_width", self.beam_width, lo=1)
+        _check_int("max_tokens", self.max_tokens, lo=1)
+        lp = self.length_penalty
+        if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
+            raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
+        if not any(self.early_stopping is v for v in (True, False)) and self.early_stopping != "never":
+            raise ValueError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a boolean, got {self.ignore_eos!r}")
+        if not isinstance(self.stop_token_ids, list | tuple):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, lo=0)
+        if self.num_return_sequences is not None:
+            _check_int("num_return_sequences", self.num_return_sequences, lo=1, hi=self.beam_width)
 
 
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:

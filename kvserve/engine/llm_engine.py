@@ -11,6 +11,7 @@ import torch
 from torch.profiler import record_function
 
 from kvserve.config import EngineConfig, parse_memory
+from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches
 from kvserve.engine.output_processor import OutputProcessor
@@ -23,14 +24,15 @@ from kvserve.kv_cache.tiers.disk import DiskTier
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace
 from kvserve.kv_cache.tiers.redis_tier import RedisTier
-from kvserve.kv_cache.tiers.store import TieredKVStore
+from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
+from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
 from kvserve.layers.sampler import Sampler
 from kvserve.logger import logger
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import load_config, load_model, resolve_model
 from kvserve.outputs import RequestOutput
 from kvserve.platforms import get_platform
-from kvserve.sampling_params import SamplingParams
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.tokenizer import load_tokenizer
 
 
@@ -44,6 +46,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         model_dir = resolve_model(config.model)
+        self.model_dir = model_dir.resolve()  # where the tokenizer came from (a router loads the same one)
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         platform = get_platform(config.device, config.dtype)
@@ -52,9 +55,17 @@ class LLMEngine:
         num_blocks = self._num_blocks()
         kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device)
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
-        self.store = make_kv_store(config, model_dir, kv_caches) if cache_kind else None
+        self.kv_events = make_kv_event_publisher(config)
+        sink = self.kv_events.publish if self.kv_events is not None else None
+        try:
+            self.store = make_kv_store(config, model_dir, kv_caches, sink) if cache_kind else None
+        except BaseException:
+            if self.kv_events is not None:  # its sockets hold the ports
+                self.kv_events.close()
+            raise
         prefix_cache = make_prefix_cache(cache_kind, config.block_size)
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache, self.store)
+        events = None if self.kv_events is None else "tokens" if config.kv_events_token_ids else "hashes"
+        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache, self.store, events=events)
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
@@ -88,7 +99,7 @@ class LLMEngine:
     def add_request(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | BeamSearchParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
     ) -> str:
@@ -97,15 +108,19 @@ class LLMEngine:
         Requests with different `cache_salt` never share cached prefixes (the server
         derives it from the caller's API key).
         """
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(params).__name__}")
+        if not isinstance(params, SamplingParams | BeamSearchParams):
+            raise TypeError(f"sampling_params must be SamplingParams or BeamSearchParams, got {type(params).__name__}")
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.output_processor.groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         prompt_ids = self._prompt_ids(prompt)
+        beam = params if isinstance(params, BeamSearchParams) else None
+        sp = BEAM_SAMPLING_PARAMS if beam else params
         request = Request(
-            request_id, prompt_ids, params, eos_token_ids=tuple(self.eos_token_ids), extra_key=extra_key(cache_salt)
+            request_id, prompt_ids, sp, eos_token_ids=tuple(self.eos_token_ids), extra_key=extra_key(cache_salt)
         )
+        if beam is not None:  # one request, the prompt, until its first step forks the beams
+            request.beam = BeamGroup(request, beam, request.eos_token_ids, self.scheduler.max_total_tokens)
         self.scheduler.add_request(request)
         self.output_processor.add_group(request, prompt if isinstance(prompt, str) else None)
         return request_id
@@ -127,13 +142,18 @@ class LLMEngine:
         samples = [s.request for s in group.samples.values()]
         running = [r for r in self.scheduler.running if r.group_id == request_id]
         self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), RequestStatus.FINISHED_ABORTED)
+        self._publish_kv_events()
         self._check_if_idle()
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix. Refused (returns False) while requests run, as in vLLM."""
         if self.has_unfinished_requests():
             return False
-        return self.kv.reset_prefix_cache()
+        done = self.kv.reset_prefix_cache()
+        self._publish_kv_events()
+        if done and self.store is not None:
+            self.store.announce_held()  # consumers forget every medium on AllBlocksCleared; the tiers kept theirs
+        return done
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -156,19 +176,28 @@ class LLMEngine:
         if self.transfer is not None:
             with record_function("kv_tiers"):
                 self.transfer.save(self.kv.take_pending_saves())  # blocks this step filled
+        self._publish_kv_events()
         self._check_if_idle()
         return outputs
 
+    def _publish_kv_events(self) -> None:
+        """The device pool's events since the last call, as one batch (the tiers publish their own)."""
+        if self.kv_events is not None and (events := self.kv.take_events()):
+            self.kv_events.publish(events)
+
     def shutdown(self) -> None:
         """Write back every cached block the tiers do not hold yet (so a restart finds it), and
-        close them. The engine takes no request after this."""
-        if self.store is None:
-            return
-        if self.transfer is not None and self.kv.store is not None and self.store.saves_on_evict:
-            self.transfer.save(self.kv.cached_block_saves())
-        self.store.flush()
-        self.store.close()
-        self.store = self.kv.store = self.transfer = self.runner.transfer = None
+        close them, then the KV event publisher. The engine takes no request after this."""
+        if self.store is not None:
+            if self.transfer is not None and self.kv.store is not None and self.store.saves_on_evict:
+                self.transfer.save(self.kv.cached_block_saves())
+            self.store.flush()  # the tiers' last events are queued by now
+            self.store.close()
+            self.store = self.kv.store = self.transfer = self.runner.transfer = None
+        if self.kv_events is not None:
+            self._publish_kv_events()
+            self.kv_events.close()
+            self.kv_events = None
 
     def _check_if_idle(self) -> None:
         """With check_invariants, at idle: the pool's and the prefix cache's own invariants, and no block in use."""
@@ -177,14 +206,22 @@ class LLMEngine:
             assert self.kv.pool.num_used_blocks == 0, f"{self.kv.pool.num_used_blocks} blocks in use at idle"
 
 
-def make_kv_store(config: EngineConfig, model_dir: Path, kv_caches: list[torch.Tensor]) -> TieredKVStore | None:
+def make_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
+    if config.kv_events_endpoint is None:
+        return None
+    replay = config.kv_events_replay_endpoint or default_replay_endpoint(config.kv_events_endpoint)
+    return ZmqEventPublisher(
+        config.kv_events_endpoint, replay, config.kv_events_topic, encoding=config.kv_events_encoding
+    )
+
+
+def make_kv_store(
+    config: EngineConfig, model_dir: Path, kv_caches: list[torch.Tensor], on_events: EventSink | None = None
+) -> TieredKVStore | None:
     """The tiers the config turns on, in order: host RAM, disk, Redis; None if none is."""
-    on_accelerator = kv_caches[0].device.type != "cpu"
-    tiers = []
-    if host := config.kv_host_bytes(on_accelerator):
-        tiers.append(HostTier(host))
+    host = config.kv_host_bytes(on_accelerator=kv_caches[0].device.type != "cpu")
     disk = config.kv_disk_bytes()
-    if not disk and not config.kv_remote and not tiers:
+    if not host and not disk and not config.kv_remote:
         return None
     namespace = Namespace(
         model_fingerprint(model_dir),
@@ -192,9 +229,15 @@ def make_kv_store(config: EngineConfig, model_dir: Path, kv_caches: list[torch.T
         config.block_size,
         block_shape(kv_caches),
     )
+    tiers = []
+    for name, size in (("kv_host_memory", host), ("kv_disk_size", disk)):
+        if 0 < size < namespace.block_nbytes:  # such a tier would drop every block, starving the ones below
+            raise ValueError(f"{name}={size} bytes holds no KV block ({namespace.block_nbytes} bytes); use 0 for none")
+    if host:
+        tiers.append(HostTier(host))
     if disk:
         tiers.append(DiskTier(config.kv_disk_path(), disk, namespace))
     if config.kv_remote:
         tiers.append(RedisTier(config.kv_remote, namespace))
     logger.info("KV tiers: %s (%s)", ", ".join(t.name for t in tiers), config.kv_write_policy)
-    return TieredKVStore(namespace, tiers, config.kv_write_policy)
+    return TieredKVStore(namespace, tiers, config.kv_write_policy, on_events=on_events)

@@ -59,8 +59,28 @@ class ModelRunner:
             rows.append(sample_rows[parent.seq_id])
         if not requests:
             return {}
-        tokens = self._sample(hidden[rows], requests)
-        return {r.seq_id: t for r, t in zip(requests, tokens, strict=True)}
+        beams = [i for i, r in enumerate(requests) if r.beam is not None]
+        if not beams:
+            tokens = self._sample(hidden[rows], requests)
+            return {r.seq_id: t for r, t in zip(requests, tokens, strict=True)}
+        return self._sample_with_beams(hidden, requests, rows, beams)
+
+    def _sample_with_beams(
+        self, hidden: torch.Tensor, requests: list[Request], rows: list[int], beams: list[int]
+    ) -> dict[int, SampledToken]:
+        """Beams get log_softmax over the whole vocabulary in fp32 (as transformers' beam search
+        computes it), from the LM head at their last token; the other requests are sampled."""
+        out = {}
+        others = [i for i in range(len(requests)) if requests[i].beam is None]
+        if others:
+            sampled = self._sample(hidden[[rows[i] for i in others]], [requests[i] for i in others])
+            out = {requests[i].seq_id: t for i, t in zip(others, sampled, strict=True)}
+        with record_function("beam_logprobs"):
+            logits = self.model.compute_logits(hidden[[rows[i] for i in beams]])
+            logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+        for i, row in zip(beams, logprobs, strict=True):
+            out[requests[i].seq_id] = SampledToken(-1, beam_logprobs=row)
+        return out
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         with record_function("logits"):
@@ -85,6 +105,11 @@ class ModelRunner:
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         if not out.block_copies:
+            return
+        if self.device.type == "cpu":  # a copy_ per block: indexing dim 1 of the cache is ~40x slower there
+            for cache in self.kv_caches:
+                for c in out.block_copies:
+                    cache[:, c.dst].copy_(cache[:, c.src])
             return
         src = torch.tensor([c.src for c in out.block_copies], device=self.device)
         dst = torch.tensor([c.dst for c in out.block_copies], device=self.device)

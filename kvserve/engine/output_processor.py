@@ -1,4 +1,7 @@
-"""From sampled tokens to `RequestOutput`s: detokenize, stop strings, gather n samples."""
+"""From sampled tokens to `RequestOutput`s: detokenize, stop strings, gather n samples.
+
+A beam-search request has one output, when its search ends: its best hypotheses, decoded then.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +9,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.engine.beam_group import BeamGroup
 from kvserve.engine.request import Request
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.tokenizer import IncrementalDetokenizer
@@ -28,9 +32,12 @@ class RequestGroup:
     prompt_token_ids: list[int]
     n: int
     samples: dict[int, SampleState] = field(default_factory=dict)
+    beam: BeamGroup | None = None
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.finished
         return len(self.samples) == self.n and all(s.request.status.finished for s in self.samples.values())
 
 
@@ -40,7 +47,9 @@ class OutputProcessor:
         self.groups: dict[str, RequestGroup] = {}
 
     def add_group(self, request: Request, prompt: str | None) -> None:
-        group = RequestGroup(request.group_id, prompt, request.prompt_token_ids, request.sampling_params.n)
+        group = RequestGroup(
+            request.group_id, prompt, request.prompt_token_ids, request.sampling_params.n, beam=request.beam
+        )
         self.groups[request.group_id] = group
         self._track(group, request)
 
@@ -54,6 +63,8 @@ class OutputProcessor:
         """Detokenize each new token; returns the requests a stop string has just ended."""
         stopped = []
         for req in updated:
+            if req.beam is not None:  # beams change every step: decoded only when the search ends
+                continue
             state = self._track(self.groups[req.group_id], req)
             delta = state.detokenizer.step(req.output_token_ids[-1])
             if req.status.finished:
@@ -64,15 +75,18 @@ class OutputProcessor:
         return stopped
 
     def make_outputs(self, updated: list[Request]) -> list[RequestOutput]:
-        group_ids = dict.fromkeys(r.group_id for r in updated)
-        outputs = [self.make_output(self.groups[g]) for g in group_ids]
+        groups = [self.groups[g] for g in dict.fromkeys(r.group_id for r in updated)]
+        outputs = [self.make_output(g) for g in groups if g.beam is None or g.finished]
         for out in outputs:
             if out.finished:
                 del self.groups[out.request_id]
         return outputs
 
     def make_output(self, group: RequestGroup) -> RequestOutput:
-        completions = [self._completion(i, s) for i, s in sorted(group.samples.items())]
+        if group.beam is not None:
+            completions = self._beam_completions(group.beam) if group.finished else []
+        else:
+            completions = [self._completion(i, s) for i, s in sorted(group.samples.items())]
         first = group.samples[0].request
         return RequestOutput(
             request_id=group.request_id,
@@ -107,6 +121,22 @@ class OutputProcessor:
             logprobs=logprobs,
             cumulative_logprob=cumulative,
         )
+
+    def _beam_completions(self, group: BeamGroup) -> list[CompletionOutput]:
+        skip = group.request.sampling_params.skip_special_tokens
+        stop_ids = set(group.params.stop_token_ids)
+        return [
+            CompletionOutput(
+                index=i,
+                text=self.tokenizer.decode(h.token_ids, skip_special_tokens=skip),
+                token_ids=list(h.token_ids),
+                finish_reason="stop" if h.eos else "length",
+                stop_reason=h.token_ids[-1] if h.eos and h.token_ids[-1] in stop_ids else None,
+                cumulative_logprob=h.cumulative_logprob,
+                score=h.score,
+            )
+            for i, h in enumerate(group.results())
+        ]
 
     def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         if all(lp.decoded_token is not None for lp in entry.values()):

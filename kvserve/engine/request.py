@@ -6,11 +6,15 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvserve.outputs import Logprob
 from kvserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from kvserve.engine.beam_group import BeamGroup
 
 _seq_ids = itertools.count()
 
@@ -55,6 +59,7 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     times: RequestTimes = field(default_factory=RequestTimes)
     generator: torch.Generator | None = field(default=None, repr=False)
+    beam: BeamGroup | None = field(default=None, repr=False)  # beam search: the group this beam is in
     seq_id: int = field(init=False)  # unique per sample; what block tables are keyed by
 
     def __post_init__(self) -> None:
@@ -100,3 +105,16 @@ class Request:
             times=replace(self.times),
             generator=None,
         )
+
+    def fork_beam(self) -> Request:
+        """Another beam continuing this one's history (the KV cache manager shares its blocks)."""
+        child = replace(
+            self,
+            sample_index=1,  # only the group's first request counts as its prompt's in the stats
+            output_token_ids=list(self.output_token_ids),
+            output_logprobs=[],
+            block_keys=list(self.block_keys),
+            generator=None,
+        )
+        child.request_id = f"{self.group_id}-beam{child.seq_id}"
+        return child

@@ -13,6 +13,10 @@ blocks are freed and it goes back to the head of the queue to be recomputed.
 With KV tiers, a waiting request whose blocks must come from disk or Redis leaves
 the queue for `loading` (vLLM's waiting-for-remote-KV state) while the others keep
 running, and returns to the head of the queue when they arrive, fail or time out.
+
+Beam search (`beam_group.py`): each live beam is a running request; a group is admitted only
+with room for all its beams (seats and blocks), its beams stay next to each other in
+`running`, it advances once every beam has its logprobs, and it is preempted as a whole.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvserve.engine.beam_group import BeamGroup, max_blocks
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.kv_cache.kv_cache_manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager
+from kvserve.kv_cache.kv_cache_manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager, PrefixHit
 from kvserve.layers.sampler import SampledToken
 
 
@@ -83,7 +88,7 @@ class Scheduler:
         """The longest a request may grow: the context length, and never more than the pool."""
         return min(self.config.max_model_len, self.kv.num_tokens_capacity)
 
-    def check_prompt(self, num_prompt_tokens: int, n: int) -> None:
+    def check_prompt(self, num_prompt_tokens: int, n: int, n_name: str = "n") -> None:
         """Reject what could never run, instead of queueing it forever."""
         if num_prompt_tokens == 0:
             raise ValueError("prompt must not be empty")
@@ -97,12 +102,26 @@ class Scheduler:
                 f"({self.kv.num_tokens_capacity} tokens); raise kv_cache_memory"
             )
         if n > self.config.max_num_seqs:
-            raise ValueError(f"n={n} is larger than max_num_seqs={self.config.max_num_seqs}")
+            raise ValueError(f"{n_name}={n} is larger than max_num_seqs={self.config.max_num_seqs}")
 
     def add_request(self, request: Request) -> None:
-        self.check_prompt(request.num_prompt_tokens, request.sampling_params.n)
+        if request.beam is not None:
+            self.check_beam_group(request.beam, request.num_prompt_tokens)
+        else:
+            self.check_prompt(request.num_prompt_tokens, request.sampling_params.n)
         request.max_total_tokens = self.max_total_tokens
         self.waiting.append(request)
+
+    def check_beam_group(self, group: BeamGroup, num_prompt_tokens: int) -> None:
+        """A group must fit the pool alone at its largest, or it could be preempted forever."""
+        self.check_prompt(num_prompt_tokens, group.width, "beam_width")
+        need = max_blocks(group.params, num_prompt_tokens, group.search.max_new_tokens, self.kv.block_size)
+        if need > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"beam search with beam_width={group.width}, a {num_prompt_tokens}-token prompt and "
+                f"max_tokens={group.search.max_new_tokens} may need {need} KV blocks, more than the pool's "
+                f"{self.kv.pool.num_blocks}; lower beam_width or max_tokens, or raise kv_cache_memory"
+            )
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -143,12 +162,14 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if n == 0:  # a beam with its logprobs, waiting for its group's others
+                i += 1
+                continue
             while not self.kv.allocate_slots(req, n):
-                victim = self.running.pop()  # the most recently admitted
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
-                    return budget
+                victims = self._preempt(self.running.pop())  # the most recently admitted (its whole beam group)
+                out.preempted.extend(victims)
+                if req in victims:
+                    return budget + self._unschedule(out, victims)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
             i += 1
@@ -171,6 +192,8 @@ class Scheduler:
             n = min(req.num_tokens - computed, budget)
             if whole_prompts and n < req.num_tokens - computed:
                 break
+            if req.beam is not None and not self._beam_group_fits(req, hit, cached):
+                break
             if not self.kv.allocate_slots(req, computed - cached + n, hit):
                 break
             self.kv.queue_loads(req, cached // self.kv.block_size, loaded)
@@ -182,6 +205,11 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
+
+    def _beam_group_fits(self, req: Request, hit: PrefixHit | None, cached: int) -> bool:
+        """Blocks for the leader's whole prompt (every chunk) and for its beams' next tokens."""
+        need = self.kv.blocks_needed(req, req.num_tokens - cached, hit)
+        return need + req.beam.blocks_after_admission(self.kv.block_size) <= self.kv.pool.num_available_blocks
 
     def _chunk_in_progress(self) -> bool:
         """A running prompt is part-way through its prefill (only ever the last one)."""
@@ -201,11 +229,14 @@ class Scheduler:
 
     @staticmethod
     def _seats(req: Request) -> int:
-        """Running slots a request takes, counting siblings it has yet to fork."""
+        """Running slots a request takes, counting siblings it has yet to fork (a beam group: its width)."""
+        if req.beam is not None:
+            return req.beam.width
         return req.sampling_params.n if req.needs_fork else 1
 
     def _num_seats(self) -> int:
-        return sum(self._seats(r) for r in self.running)
+        groups = {id(r.beam): r.beam for r in self.running if r.beam is not None}  # its width, whatever is live
+        return sum(self._seats(r) for r in self.running if r.beam is None) + sum(g.width for g in groups.values())
 
     def _fork_samples(self, out: SchedulerOutput) -> None:
         """n > 1: once the prompt's last chunk is scheduled, its siblings share its blocks."""
@@ -222,13 +253,36 @@ class Scheduler:
                 at = self.running.index(parent) + 1
                 self.running[at:at] = children
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request) -> list[Request]:
+        """Free a request's blocks and queue it first, to be recomputed; a beam, with its whole group."""
+        if req.beam is not None:
+            return self._preempt_beam_group(req)
         self.kv.free(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+        return [req]
+
+    def _preempt_beam_group(self, popped: Request) -> list[Request]:
+        group = popped.beam
+        victims = [popped, *reversed([r for r in self.running if r.beam is group])]  # from the back, as one
+        self.running[:] = [r for r in self.running if r.beam is not group]
+        for beam in victims:
+            self.kv.free(beam)
+            beam.status = RequestStatus.WAITING
+            beam.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(group.preempt())  # its leader: the others wait in the group
+        return victims
+
+    @staticmethod
+    def _unschedule(out: SchedulerOutput, victims: list[Request]) -> int:
+        """Drop this step's chunks of requests just preempted; returns the budget they took."""
+        gone = [s for s in out.scheduled if s.request in victims]
+        out.scheduled = [s for s in out.scheduled if s.request not in victims]
+        return sum(s.num_new_tokens for s in gone)
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[int, SampledToken]) -> list[Request]:
         """Advance progress, append sampled tokens, finish what stopped; returns requests that got a token."""
@@ -238,8 +292,13 @@ class Scheduler:
             self.kv.cache_full_blocks(s.request)
         for parent, child in out.forks:
             child.num_computed_tokens = parent.num_computed_tokens
+        beam_groups: dict[BeamGroup, None] = {}
         for req in [s.request for s in out.scheduled if s.samples] + [c for _, c in out.forks]:
             token = sampled[req.seq_id]
+            if req.beam is not None:
+                if req.beam.add_logprobs(req, token.beam_logprobs):
+                    beam_groups[req.beam] = None
+                continue
             req.append_output_token(token.token_id, token.logprobs)
             if req.times.first_token is None:
                 req.times.first_token = time.monotonic()
@@ -247,7 +306,30 @@ class Scheduler:
             if status is not None:
                 self.finish_request(req, status)
             updated.append(req)
+        for group in beam_groups:
+            updated.extend(self._advance_beam_group(group))
         return updated
+
+    def _advance_beam_group(self, group: BeamGroup) -> list[Request]:
+        """Apply the group's step: its new live beams take the old ones' place in `running`;
+        returns the beams that got a token (or, at the end, the group's request)."""
+        at = next(i for i, r in enumerate(self.running) if r.beam is group)
+        change = group.advance(self.kv)
+        self.running[at:] = [r for r in self.running[at:] if r.beam is not group]
+        self.running[at:at] = change.beams
+        for beam in change.dropped:
+            beam.status = RequestStatus.FINISHED_STOPPED  # pruned; its blocks are free already
+        for beam in change.beams:
+            beam.status = RequestStatus.RUNNING
+        times = group.request.times
+        if change.grew and times.first_token is None:
+            times.first_token = time.monotonic()
+        if not group.finished:
+            return change.beams if change.grew else []
+        best = group.results()
+        group.request.status = RequestStatus.FINISHED_STOPPED if best and best[0].eos else RequestStatus.FINISHED_LENGTH
+        times.finished = time.monotonic()
+        return [group.request]
 
     def _check_stop(self, req: Request) -> RequestStatus | None:
         sp = req.sampling_params
@@ -263,6 +345,9 @@ class Scheduler:
 
     def finish_request(self, req: Request, status: RequestStatus) -> None:
         """Stop a request now (stop condition, stop string or abort) and free its blocks."""
+        if req.beam is not None:
+            self._abort_beam_group(req.beam, status)
+            return
         if req.status.finished:
             return
         if req.status == RequestStatus.RUNNING:
@@ -274,6 +359,20 @@ class Scheduler:
         req.status = status
         req.times.finished = time.monotonic()
         self.kv.free(req)
+
+    def _abort_beam_group(self, group: BeamGroup, status: RequestStatus) -> None:
+        """Any of its beams (or its request) stops the whole group."""
+        if group.finished:
+            return
+        for beam in group.beams:
+            for queue in (self.running, self.waiting, self.loading):  # a preempted group's others are in none
+                if beam in queue:
+                    queue.remove(beam)
+            beam.status = status
+            self.kv.free(beam)
+        group.beams, group.finished = [], True
+        group.request.status = status
+        group.request.times.finished = time.monotonic()
 
     def finish_requests(self, requests: Iterable[Request], status: RequestStatus) -> None:
         for req in requests:

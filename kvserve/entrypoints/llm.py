@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`, as in vLLM."""
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))` and
+`.beam_search(prompts, BeamSearchParams(...))`, as in vLLM."""
 
 from __future__ import annotations
 
@@ -10,11 +11,12 @@ from tqdm import tqdm
 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
-from kvserve.outputs import RequestOutput
-from kvserve.sampling_params import SamplingParams
+from kvserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.tokenizer import apply_chat_template
 
 Prompt = str | list[int]
+Params = SamplingParams | BeamSearchParams
 
 
 class LLM:
@@ -32,16 +34,30 @@ class LLM:
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        sampling_params: Params | Sequence[Params] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # one prompt (text or token ids)
+        """Run every prompt to completion; outputs come back in input order. A BeamSearchParams
+        among the params gives that prompt's best beams as its completions."""
+        prompts = _prompt_list(prompts)
         params = sampling_params or SamplingParams()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling_params")
+        return self._run(self._add_all(prompts, params_list), use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """Beam search inside the engine (beams share KV blocks), as transformers' `generate(num_beams=...)`
+        scores it; each output's sequences are the best finished beams, best first."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params must be BeamSearchParams, got {type(params).__name__}")
+        prompts = _prompt_list(prompts)
+        outputs = self._run(self._add_all(prompts, [params] * len(prompts)), use_tqdm)
+        return [_beam_output(out) for out in outputs]
+
+    def _add_all(self, prompts: list[Prompt], params_list: list[Params]) -> list[str]:
         ids = []
         try:
             for prompt, sp in zip(prompts, params_list, strict=True):
@@ -50,7 +66,7 @@ class LLM:
             for rid in ids:  # a bad prompt rejects the whole call, leaving the engine clean
                 self.llm_engine.abort_request(rid)
             raise
-        return self._run(ids, use_tqdm)
+        return ids
 
     def chat(
         self,
@@ -73,3 +89,25 @@ class LLM:
                         finished[out.request_id] = out
                         bar.update(1)
         return [finished[i] for i in ids]
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # one prompt (text or token ids)
+    return list(prompts)
+
+
+def _beam_output(out: RequestOutput) -> BeamSearchOutput:
+    prompt = out.prompt_token_ids
+    sequences = [
+        BeamSearchSequence(
+            tokens=prompt + c.token_ids,
+            cum_logprob=c.cumulative_logprob,
+            score=c.score,
+            text=c.text,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+        )
+        for c in out.outputs
+    ]
+    return BeamSearchOutput(sequences, list(prompt))

@@ -39,6 +39,7 @@ class Request(Protocol):
 class SampledToken:
     token_id: int
     logprobs: dict[int, Logprob] | None = None  # token id -> Logprob, when the request asked for them
+    beam_logprobs: torch.Tensor | None = None  # a beam (token_id -1): log_softmax over the whole vocab, fp32
 
 
 class Sampler:
