@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine import scheduler
 from kvserve.engine.request import RequestStatus
 
 BLOCK = 16
@@ -207,6 +208,24 @@ def test_a_request_waits_for_its_load_while_others_run(tiny_model_dir, redis_ser
         engine.step()
     engine.kv.check_integrity()
     assert engine.kv.pool.num_used_blocks == 0 and not engine.kv.loads
+
+
+def test_a_quick_load_joins_the_step_it_started_in(tiny_model_dir, tmp_path, monkeypatch):
+    """A disk load that ends within the scheduler's wait is computed in this step, not the next."""
+    monkeypatch.setattr(scheduler, "LOAD_WAIT_MAX", 5.0)
+    monkeypatch.setattr(scheduler, "LOAD_WAIT_SHARE", 1e6)  # the wait is LOAD_WAIT_MAX, whatever the step
+    llm = make(tiny_model_dir, **tier_kwargs("disk", tmp_path, None))
+    run(llm, [prompt(1)])
+    evict_everything(llm)
+    engine = llm.llm_engine
+    engine.add_request(prompt(1), GREEDY, request_id="again")
+    engine.step()
+    assert not engine.scheduler.loading
+    (req,) = engine.scheduler.running
+    assert req.num_computed_tokens == PROMPT_LEN and served(llm, "disk") == REUSABLE // BLOCK
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.kv.check_integrity()
 
 
 def test_a_tier_smaller_than_one_block_is_refused(tiny_model_dir):

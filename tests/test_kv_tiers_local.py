@@ -7,11 +7,11 @@ import logging
 import os
 import struct
 import threading
-import zlib
 from array import array
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.prefix_cache import extra_key
@@ -328,7 +328,7 @@ def test_record_round_trip_and_every_field_is_checked():
         "key": patched(40, key(1)),
         "shape": patched(shape_at, struct.pack("<I", 3)),
         "length": patched(tail_at, struct.pack("<Q", BLOCK + 4)),
-        "checksum": patched(tail_at + 8, struct.pack("<I", zlib.crc32(body) ^ 1)),
+        "checksum": patched(tail_at + 8, struct.pack("<Q", xxhash.xxh3_64_intdigest(body) ^ 1)),
         "payload": patched(FILE - 1, bytes([good[-1] ^ 1])),
         "truncated payload": good[:-1],
         "overlong payload": good + b"\0",

@@ -12,7 +12,11 @@ blocks are freed and it goes back to the head of the queue to be recomputed.
 
 With KV tiers, a waiting request whose blocks must come from disk or Redis leaves
 the queue for `loading` (vLLM's waiting-for-remote-KV state) while the others keep
-running, and returns to the head of the queue when they arrive, fail or time out.
+running, and returns to the head of the queue when they arrive, fail or time out. A load
+that ends within half a step (`LOAD_WAIT_SHARE`, at most `LOAD_WAIT_MAX` per step) is
+waited for instead: leaving the queue would cost its request a whole step, while a
+page-cached disk read or a loopback Redis read of a long history takes 5-30 ms; the
+others lose at most that much of one step.
 
 Beam search (`beam_group.py`): each live beam is a running request; a group is admitted only
 with room for all its beams (seats and blocks), its beams stay next to each other in
@@ -30,6 +34,9 @@ from kvserve.engine.beam_group import BeamGroup, max_blocks
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv_cache.kv_cache_manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager, PrefixHit
 from kvserve.layers.sampler import SampledToken
+
+LOAD_WAIT_SHARE = 0.5  # of the time between two steps
+LOAD_WAIT_MAX = 0.05  # seconds per step
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.loading: list[Request] = []  # waiting for blocks from the KV tiers
         self.num_preemptions = 0
+        self._last_schedule = time.monotonic()
+        self._load_wait_until = 0.0
 
     @property
     def max_total_tokens(self) -> int:
@@ -133,6 +142,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         out = SchedulerOutput(scheduled=[])
+        now = time.monotonic()
+        self._load_wait_until = now + min(LOAD_WAIT_MAX, LOAD_WAIT_SHARE * (now - self._last_schedule))
+        self._last_schedule = now
         self._return_loaded()
         if self.config.prefill_first and not self._chunk_in_progress():
             # a new prompt's first token then waits for its prefill alone, not for the
@@ -181,7 +193,7 @@ class Scheduler:
             if self._num_seats() + self._seats(req) > self.config.max_num_seqs:
                 break
             hit = self.kv.match_prefix(req)
-            if self.kv.start_load(req, hit):
+            if self.kv.start_load(req, hit) and not self.kv.wait_for_load(req, self._load_wait_until):
                 self.waiting.popleft()
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 self.loading.append(req)

@@ -324,6 +324,13 @@ class KVCacheManager:
         self.loads[request.seq_id] = load
         return not load.done
 
+    def wait_for_load(self, request: KVRequest, until: float) -> bool:
+        """Wait until `until` (time.monotonic()) at most for the request's load; True once it is over."""
+        load = self.loads[request.seq_id]
+        if (left := until - time.monotonic()) > 0:
+            self.store.wait_for_loads([load], timeout=left)
+        return self.load_ready(request)
+
     def load_ready(self, request: KVRequest) -> bool:
         """Its load arrived, failed or timed out (then it computes what it would have loaded)."""
         load = self.loads.get(request.seq_id)

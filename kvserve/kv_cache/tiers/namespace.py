@@ -12,7 +12,7 @@ import json
 from dataclasses import asdict, dataclass
 from functools import cached_property
 
-FORMAT_VERSION = 1  # the record format (record.py); bump on any change to it
+FORMAT_VERSION = 2  # the record format (record.py); bump on any change to it
 KV_LAYOUT_VERSION = 1  # one block = [layers, 2 (K, V), block_size, kv_heads, head_dim], contiguous
 
 

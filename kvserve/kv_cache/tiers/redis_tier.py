@@ -145,7 +145,7 @@ class RedisTier(KVTier):
         payloads = [memoryview(p).cast("B") for _, p in items]  # counts bytes, whatever the buffer's format
 
         def op() -> None:
-            # encoded here, not before: a refused call should not pay for the CRCs
+            # encoded here, not before: a refused call should not pay for the checksums
             pipe = self._client.pipeline(transaction=False)
             for name, (key, _), payload in zip(names, items, payloads, strict=True):
                 pipe.set(name, encode(self.namespace, key, payload), px=self._ttl_ms)
