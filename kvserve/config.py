@@ -43,6 +43,10 @@ class EngineConfig:
     prefill_first: bool = False  # SGLang's policy: new prompts' prefills get steps of their own
     enable_prefix_caching: bool = True
     prefix_cache: str = "radix"  # "radix" (RadixAttention tree) or "hash" (chained block hashes)
+    # sliding-window models (Gemma 3): keep every layer's whole history in one block table, as
+    # if each layer were full, instead of one table per layer kind with window blocks released
+    # as they pass (vLLM's name; a baseline for `kvserve bench window`)
+    disable_hybrid_kv_cache_manager: bool = False
     # KV tiers below the device pool (kv_cache/tiers); 0 turns one off
     kv_host_memory: str | int | None = None  # default: off on a CPU (the pool is host RAM), 4GiB on an accelerator
     kv_disk_dir: str | None = None  # default: <cache root>/kv

@@ -13,12 +13,14 @@ from dataclasses import fields
 from kvserve.config import EngineConfig
 
 _ENGINE_HELP = {
-    "model": "directory, .gguf file or short name (smollm2-135m)",
+    "model": "directory, .gguf file or short name (smollm2-135m, gemma3-270m)",
     "dtype": "auto | float32 | bfloat16",
     "device": "auto | cpu | cuda",
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",
     "prefix_cache": "radix (RadixAttention tree) | hash (chained block hashes)",
+    "disable_hybrid_kv_cache_manager": "sliding-window models: one block table for every layer, each keeping "
+    "its whole history (no window blocks released); the baseline of `kvserve bench window`",
     "kv_events_endpoint": "publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://*:5557",
     "kv_events_replay_endpoint": "ZMQ address of the replay socket (default: the same host, port + 1)",
     "kv_events_topic": "topic of every KV event message (default: none, as in vLLM)",

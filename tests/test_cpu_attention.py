@@ -148,9 +148,9 @@ def test_plan_is_built_once_per_step():
     backend = CpuPagedAttention()
     q, k, v, kv, meta = make_batch([9, 33], [(4, 6)], 9, 3, 64, torch.float32)
     backend.forward(q, k, v, kv, meta)
-    plan = backend._batch
+    plan = meta.backend_state
     backend.forward(q, k, v, kv, meta)  # the next layer: same meta, same plan
-    assert backend._batch is plan
+    assert meta.backend_state is plan
 
 
 def test_bad_block_id_raises_instead_of_reading_out_of_bounds():
@@ -183,7 +183,8 @@ def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim):
     batch = make_batch([3, 200], CHUNKS, heads, kv_heads, head_dim, torch.bfloat16, seed=5)
     backend = CpuPagedAttention(prefill_kernel=True)
     out, ref32 = run_both(backend, *batch, reference_dtype=torch.float32)
-    assert backend._batch.chunks is not None and not backend._batch.torch_prefills  # every chunk took the kernel
+    plan = batch[-1].backend_state
+    assert plan.chunks is not None and not plan.torch_prefills  # every chunk took the kernel
     torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
 
 

@@ -193,9 +193,9 @@ def test_an_unsupported_architecture_is_named_in_the_error():
     from kvserve.models.config import ModelConfig
     from kvserve.models.registry import model_class
 
-    cfg = dict(model_type="gemma3_text", vocab_size=8, hidden_size=8, intermediate_size=8)
-    with pytest.raises(ValueError, match="'gemma3_text' is not supported yet .supported: llama, mistral"):
+    cfg = dict(model_type="mamba", vocab_size=8, hidden_size=8, intermediate_size=8)
+    with pytest.raises(ValueError, match="'mamba' is not supported yet .supported: llama, mistral"):
         ModelConfig.from_hf_config(cfg | dict(num_hidden_layers=1, num_attention_heads=1))
-    with pytest.raises(ValueError, match="'gemma3_text' is not supported yet"):
-        model_class("gemma3_text")
+    with pytest.raises(ValueError, match="'mamba' is not supported yet"):
+        model_class("mamba")
     assert model_class("qwen2").__name__ == "LlamaForCausalLM"

@@ -25,6 +25,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
     add_step_parser(bench_sub)
     add_serve_parser(bench_sub)
     add_beam_parser(bench_sub)
+    add_window_parser(bench_sub)
 
 
 def add_throughput_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -200,6 +201,38 @@ def cmd_beam(args: argparse.Namespace) -> None:
         config, prompts, args.beam_widths, args.output_len, hf_batch, args.workload, Console(stderr=True).log
     )
     beam.print_table(result)
+    print(json.dumps(asdict(result)))
+    if args.output_json:
+        args.output_json.write_text(json.dumps(asdict(result)) + "\n")
+
+
+def add_window_parser(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "window",
+        help="sliding-window models: KV per request and concurrency with window blocks released vs every layer full",
+        conflict_handler="resolve",
+    )
+    p.add_argument("--context-len", type=int, default=4096, help="prompt tokens of every request")
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--num-prompts", type=int, default=12)
+    p.add_argument("--output-json", type=Path, default=None)
+    add_engine_args(p)
+    p.set_defaults(func=cmd_window, model="gemma3-270m", kv_cache_memory="256MiB", max_num_seqs=256)
+    p.add_argument("--seed", type=int, default=0)
+
+
+def cmd_window(args: argparse.Namespace) -> None:
+    from rich.console import Console
+
+    from kvserve.bench import window
+
+    if min(args.context_len, args.output_len, args.num_prompts) < 1:
+        raise ValueError("--context-len, --output-len and --num-prompts must be >= 1")
+    log = Console(stderr=True).log
+    result = window.run_window_bench(
+        engine_config(args), args.context_len, args.output_len, args.num_prompts, args.seed, log
+    )
+    window.print_table(result)
     print(json.dumps(asdict(result)))
     if args.output_json:
         args.output_json.write_text(json.dumps(asdict(result)) + "\n")

@@ -13,7 +13,7 @@ from torch.profiler import record_function
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
-from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches
+from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -52,20 +52,27 @@ class LLMEngine:
         platform = get_platform(config.device, config.dtype)
         self.device, self.dtype = platform.device, platform.dtype
         model = load_model(model_dir, self.model_config, platform)
+        self.kv_config = kv_cache_config(model, sliding_window_release=not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_blocks()
-        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device)
+        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device, self.kv_config)
+        # several KV groups: no tiers yet (a stored block holds one group's layers; see kv_cache_manager)
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
+        tiers = cache_kind is not None and self.kv_config.num_groups == 1
+        if cache_kind is not None and not tiers:
+            logger.info("KV tiers: off with %d KV groups (not built per group yet)", self.kv_config.num_groups)
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
         try:
-            self.store = make_kv_store(config, model_dir, kv_caches, sink) if cache_kind else None
+            self.store = make_kv_store(config, model_dir, kv_caches, sink) if tiers else None
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
                 self.kv_events.close()
             raise
         prefix_cache = make_prefix_cache(cache_kind, config.block_size)
         events = None if self.kv_events is None else "tokens" if config.kv_events_token_ids else "hashes"
-        self.kv = KVCacheManager(num_blocks, config.block_size, prefix_cache, self.store, events=events)
+        self.kv = KVCacheManager(
+            num_blocks, config.block_size, prefix_cache, self.store, events=events, kv_config=self.kv_config
+        )
         max_model_len = config.max_model_len or self.model_config.max_position_embeddings
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
@@ -82,7 +89,11 @@ class LLMEngine:
     def _num_blocks(self) -> int:
         cfg = self.config
         per_token = self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
-        num_blocks = cfg.num_kv_blocks or parse_memory(cfg.kv_cache_memory) // (per_token * cfg.block_size)
+        per_layer = per_token // self.model_config.num_hidden_layers
+        block_bytes = self.kv_config.block_bytes(per_layer, cfg.block_size)
+        num_blocks = cfg.num_kv_blocks or parse_memory(cfg.kv_cache_memory) // block_bytes
+        if self.kv_config.num_groups > 1:
+            logger.info("KV cache: %s", self.kv_config.sizing(per_layer, cfg.block_size))
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of {cfg.block_size} tokens")
         logger.info(

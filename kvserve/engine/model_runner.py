@@ -3,6 +3,10 @@
 The KV cache is one preallocated tensor per layer, [2, num_blocks, block_size,
 kv_heads, head_dim]; slot = block_id * block_size + offset. Decode tokens go first
 in the batch (they are attended to in one batched call), prefill chunks after.
+
+With several KV groups (`kv_cache/kv_groups.py`), layers of different groups share a
+tensor (a block holds its group's layers), and each group gets its own metadata: slot
+mapping, block tables and window; the model gets one metadata per layer.
 """
 
 from __future__ import annotations
@@ -14,17 +18,35 @@ from kvserve.engine.kv_transfer import KVTransfer
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
-from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq
+from kvserve.kv_cache.kv_groups import KVCacheConfig
+from kvserve.layers.attention.backend import AttentionMetadata, LayerMetadata, PrefillSeq
 from kvserve.layers.sampler import Sampler
 from kvserve.models.interface import CausalLM
 
 
-def allocate_kv_caches(
-    model: CausalLM, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
-) -> list[torch.Tensor]:
+def kv_cache_config(model: CausalLM, sliding_window_release: bool = True) -> KVCacheConfig:
+    """One group for a model of one layer kind; with windows, vLLM's hybrid groups, unless
+    the release is off (a benchmark's baseline: every layer keeps its whole history)."""
     cfg = model.config
+    if not cfg.has_sliding_window or not sliding_window_release:
+        return KVCacheConfig.single(cfg.num_hidden_layers)
+    return KVCacheConfig.from_layer_windows(cfg.layer_windows)
+
+
+def allocate_kv_caches(
+    model: CausalLM,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    kv_config: KVCacheConfig | None = None,
+) -> list[torch.Tensor]:
+    """One tensor per layer; with KV groups, one per slot, each shared by a layer of every group."""
+    cfg = model.config
+    kv_config = kv_config or KVCacheConfig.single(cfg.num_hidden_layers)
     shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+    slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv_config.num_slots)]
+    return [slots[slot] for _, slot in kv_config.layer_slots()]
 
 
 class ModelRunner:
@@ -43,6 +65,15 @@ class ModelRunner:
         self.block_size = kv_cache_manager.block_size
         self.sampler = sampler
         self.device = kv_caches[0].device
+        # one metadata per (KV group, window) the layers use: with the hybrid KV cache off, window
+        # layers share the full layers' tables but still attend through their window
+        cfg = model.config
+        config = kv_cache_manager.kv_config or KVCacheConfig.single(cfg.num_hidden_layers)
+        layer_keys = [(g, cfg.sliding_window(layer)) for layer, (g, _) in enumerate(config.layer_slots())]
+        self.meta_keys = sorted(set(layer_keys), key=lambda k: (k[0], k[1] or 0))
+        self.layer_metas = [self.meta_keys.index(k) for k in layer_keys] if len(self.meta_keys) > 1 else None
+        # every tensor once (layers of different groups share one): block copies touch each once
+        self.kv_tensors = list({id(c): c for c in kv_caches}.values())
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
@@ -107,18 +138,28 @@ class ModelRunner:
         if not out.block_copies:
             return
         if self.device.type == "cpu":  # a copy_ per block: indexing dim 1 of the cache is ~40x slower there
-            for cache in self.kv_caches:
+            for cache in self.kv_tensors:
                 for c in out.block_copies:
                     cache[:, c.dst].copy_(cache[:, c.src])
             return
         src = torch.tensor([c.src for c in out.block_copies], device=self.device)
         dst = torch.tensor([c.dst for c in out.block_copies], device=self.device)
-        for cache in self.kv_caches:
+        for cache in self.kv_tensors:
             cache[:, dst] = cache[:, src]
 
     def _prepare(
         self, batch: list[ScheduledRequest]
+    ) -> tuple[torch.Tensor, torch.Tensor, LayerMetadata, dict[str, int]]:
+        input_ids, positions, meta, sample_rows = self._prepare_group(batch, *self.meta_keys[0])
+        if self.layer_metas is None:
+            return input_ids, positions, meta, sample_rows
+        metas = [meta] + [self._prepare_group(batch, *key)[2] for key in self.meta_keys[1:]]
+        return input_ids, positions, [metas[i] for i in self.layer_metas], sample_rows
+
+    def _prepare_group(
+        self, batch: list[ScheduledRequest], group: int, window: int | None
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, dict[str, int]]:
+        """The batch, with KV group `group`'s slots and block tables, attending through `window`."""
         bs = self.block_size
         ids: list[int] = []
         # decodes (first in the batch) in plain Python: per-request tensor ops would cost
@@ -133,11 +174,11 @@ class ModelRunner:
         prefills: list[PrefillSeq] = []
         for s in batch:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-            table = self.kv.block_ids(req)
+            table = self.kv.block_ids(req, group)
             if n > 1:
                 p = torch.arange(start, start + n)
                 block_table = torch.tensor(table)
-                prefills.append(_prefill_seq(len(ids), start, n, block_table, bs))
+                prefills.append(_prefill_seq(len(ids), start, n, block_table, bs, window))
                 chunk_pos.append(p)
                 chunk_slots.append(block_table[p // bs] * bs + p % bs)
             else:
@@ -151,7 +192,8 @@ class ModelRunner:
             slot_mapping=torch.cat([torch.tensor(slots, dtype=torch.long), *chunk_slots]).to(self.device),
             num_decode_tokens=len(decode_tables),
             prefills=prefills,
-            **_decode_tensors(decode_tables, decode_lens, bs),
+            sliding_window=window,
+            **_decode_tensors(decode_tables, decode_lens, bs, window),
         )
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
@@ -160,16 +202,23 @@ class ModelRunner:
         return input_ids, positions, meta, sample_rows
 
 
-def _prefill_seq(query_start: int, start: int, n: int, block_table: torch.Tensor, bs: int) -> PrefillSeq:
+def _prefill_seq(
+    query_start: int, start: int, n: int, block_table: torch.Tensor, bs: int, window: int | None = None
+) -> PrefillSeq:
     end = start + n
-    return PrefillSeq(query_start, n, end, block_table[: -(-end // bs)])
+    return PrefillSeq(query_start, n, end, block_table[: -(-end // bs)], window)
 
 
-def _decode_tensors(tables: list[list[int]], lens: list[int], bs: int) -> dict[str, torch.Tensor]:
+def _decode_tensors(
+    tables: list[list[int]], lens: list[int], bs: int, window: int | None = None
+) -> dict[str, torch.Tensor]:
     width = max((len(t) for t in tables), default=0)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
     context_lens = torch.tensor(lens, dtype=torch.int32)
-    mask = torch.arange(width * bs).unsqueeze(0) < context_lens.unsqueeze(1)
+    keys = torch.arange(width * bs).unsqueeze(0)
+    mask = keys < context_lens.unsqueeze(1)
+    if window is not None:  # and no key `window` or more positions before the query
+        mask &= keys >= context_lens.unsqueeze(1) - window
     return {"decode_block_tables": padded, "decode_context_lens": context_lens, "decode_mask": mask[:, None, None, :]}
 
 

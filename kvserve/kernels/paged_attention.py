@@ -28,6 +28,9 @@ def supports(head_dim: int) -> bool:
     return available() and head_dim in load().supported_head_dims()
 
 
-def paged_attention(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: KernelRows, scale: float) -> None:
-    """out[rows] = attention of q's rows over each sequence's context in the pool."""
-    load().paged_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale)
+def paged_attention(
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: KernelRows, scale: float, window: int = 0
+) -> None:
+    """out[rows] = attention of q's rows over each sequence's context in the pool; with a
+    window (> 0), each query sees only the keys less than `window` positions before it."""
+    load().paged_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale, window)

@@ -16,6 +16,7 @@ def supports(head_dim: int) -> bool:
 
 
 def prefill_attention(
-    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: KernelRows, scale: float
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: KernelRows, scale: float, window: int = 0
 ) -> None:
-    load().prefill_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale)
+    """As `paged_attention`, on AMX tiles; window > 0: each query sees its last `window` keys."""
+    load().prefill_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale, window)

@@ -78,6 +78,9 @@ class HashChainCache(PrefixCache):
     def num_evictable_blocks(self) -> int:
         return len(self.evictable)
 
+    def holds(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self.hash_of
+
     def size_info(self) -> CacheSize:
         return CacheSize(cached_blocks=len(self.hash_of), evictable_blocks=len(self.evictable))
 

@@ -19,6 +19,17 @@ there: `start_load` looks up the blocks after its device hit, the request waits 
 the step loop) while they arrive, and `queue_loads` writes them into freshly allocated
 blocks before the step's forward. Blocks leaving the pool, or filling, are queued in
 `pending_saves` for the engine to read out and store.
+
+KV groups (`kv_groups.py`; Gemma 3's sliding-window layers): every group after the
+first has its own table per request (`group_tables`) and, with prefix caching, its own
+`HashChainCache`; the first group, full attention, keeps `block_tables`, the configured
+prefix cache, the in-flight registry, the tiers and the KV events. A window group's
+blocks that the window has passed are released at once (their table entries become
+None): a cached one stays matchable until evicted, as in vLLM, so a later request
+sharing the prefix finds the blocks still in its window; an uncached one is free. A
+prefix hit is then the longest one the first group holds whose window every other
+group still holds. With several groups the in-flight registry and the tiers are off
+(their keys and records are per block of one group; not built yet).
 """
 
 from __future__ import annotations
@@ -30,7 +41,9 @@ from dataclasses import dataclass
 from kvserve.kv_cache.block_keys import extend_keys
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvserve.kv_cache.group_evictor import GroupedEvictor
 from kvserve.kv_cache.hash_chain_cache import HashChainCache
+from kvserve.kv_cache.kv_groups import KVCacheConfig
 from kvserve.kv_cache.prefix_cache import PrefixCache, PrefixMatch
 from kvserve.kv_cache.radix_cache import RadixCache
 from kvserve.kv_cache.request import KVRequest
@@ -74,6 +87,7 @@ class PrefixHit:
 
     cached: PrefixMatch
     in_flight: list[KVCacheBlock]
+    group_blocks: tuple[list[KVCacheBlock | None], ...] = ()  # groups after the first: None before the window
 
     @property
     def blocks(self) -> list[KVCacheBlock]:
@@ -118,13 +132,21 @@ class KVCacheManager:
         prefix_cache: PrefixCache | None = None,
         store: TieredKVStore | None = None,
         events: str | None = None,
+        kv_config: KVCacheConfig | None = None,
     ):
-        """`events`: None (no events kept), "hashes" or "tokens" (token ids too: an opt-in)."""
+        """`events`: None (no events kept), "hashes" or "tokens" (token ids too: an opt-in).
+        `kv_config`: the KV groups (default: one, every layer full)."""
         self.block_size = block_size
         self.prefix_cache = prefix_cache
-        self.store = store if prefix_cache is not None else None
-        self.pool = BlockPool(num_blocks, evictor=prefix_cache, on_evict=self._on_evict)
+        self.kv_config = kv_config
+        self.groups = kv_config.groups[1:] if kv_config else ()  # the groups after the first
+        self.group_caches = [HashChainCache(block_size) if prefix_cache else None for _ in self.groups]
+        caches = [prefix_cache, *self.group_caches]
+        evictor = GroupedEvictor(caches) if prefix_cache is not None and self.groups else prefix_cache
+        self.store = store if prefix_cache is not None and not self.groups else None
+        self.pool = BlockPool(num_blocks, evictor=evictor, on_evict=self._on_evict)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by KVRequest.seq_id
+        self.group_tables: list[dict[int, list[KVCacheBlock | None]]] = [{} for _ in self.groups]
         self.cached_prefixes: dict[int, CachedPrefix] = {}  # by KVRequest.seq_id
         self.pending_copies: list[BlockCopy] = []
         self.in_flight: dict[bytes, KVCacheBlock] = {}  # block key -> block being filled this step
@@ -138,10 +160,16 @@ class KVCacheManager:
 
     @property
     def num_tokens_capacity(self) -> int:
-        return self.pool.num_blocks * self.block_size
+        """The longest request the pool holds alone (every group's blocks for it)."""
+        if not self.groups:
+            return self.pool.num_blocks * self.block_size
+        return self.kv_config.max_tokens(self.pool.num_blocks, self.block_size)
 
-    def block_ids(self, request: KVRequest) -> list[int]:
-        return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
+    def block_ids(self, request: KVRequest, group: int = 0) -> list[int]:
+        """The request's table in KV group `group`; blocks the window has passed read as 0 (never read)."""
+        if group == 0:
+            return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
+        return [0 if b is None else b.block_id for b in self.group_tables[group - 1].get(request.seq_id, ())]
 
     def match_prefix(self, request: KVRequest) -> PrefixHit | None:
         """The blocks a request with no blocks yet can start from: cached, then in flight (changes no ref count)."""
@@ -152,12 +180,44 @@ class KVCacheManager:
         cached = self.prefix_cache.match_prefix(
             request.all_token_ids[: usable * self.block_size], request.extra_key, keys
         )
+        if self.groups:
+            return self._match_groups(request, keys, cached)
         in_flight = []
         for key in keys[cached.num_blocks :]:
             if key not in self.in_flight:
                 break
             in_flight.append(self.in_flight[key])
         return PrefixHit(cached, in_flight)
+
+    def _match_groups(self, request: KVRequest, keys: list[bytes], cached: PrefixMatch) -> PrefixHit:
+        """The longest hit of the first group whose window (all of it, for a full group) each
+        other group still holds; the first group's match cut back to it where needed."""
+        n = cached.num_blocks
+        while True:
+            shorter = min((self._group_hit(g, keys, n) for g in range(len(self.groups))), default=n)
+            if shorter == n:
+                break
+            n = shorter
+        if n < cached.num_blocks:  # re-matched, so the radix tree splits its node at the new end
+            tokens = request.all_token_ids[: n * self.block_size]
+            cached = self.prefix_cache.match_prefix(tokens, request.extra_key, keys[:n])
+        first = [spec.first_needed_block(n * self.block_size, self.block_size) for spec in self.groups]
+        blocks = tuple(
+            [None] * f + [self.group_caches[g].blocks_by_hash[k] for k in keys[f:n]] for g, f in enumerate(first)
+        )
+        return PrefixHit(cached, [], blocks)
+
+    def _group_hit(self, g: int, keys: list[bytes], n: int) -> int:
+        """The most blocks, up to n, whose prefix group g can continue: it holds every block a
+        query after them still sees."""
+        spec, cache = self.groups[g], self.group_caches[g]
+        while n > 0:
+            first = spec.first_needed_block(n * self.block_size, self.block_size)
+            missing = [i for i in range(first, n) if keys[i] not in cache.blocks_by_hash]
+            if not missing:
+                return n
+            n = missing[-1]  # a hit must end before the last missing block
+        return 0
 
     def _block_keys(self, request: KVRequest, num_blocks: int) -> list[bytes]:
         """The request's chained block keys, its first `num_blocks` at least (each computed once)."""
@@ -171,13 +231,24 @@ class KVCacheManager:
         start = request.num_computed_tokens + len(hit_blocks) * self.block_size
         grow = max(0, cdiv(start + num_new_tokens, self.block_size) - max(len(table), len(hit_blocks)))
         revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        return grow + revived + int(self._shared_tail(table, start) is not None)
+        need = grow + revived + int(self._shared_tail(table, start) is not None)
+        for g, tables in enumerate(self.group_tables):
+            table = tables.get(request.seq_id, [])
+            hit_blocks = hit.group_blocks[g] if hit else []
+            grow = max(0, cdiv(start + num_new_tokens, self.block_size) - max(len(table), len(hit_blocks)))
+            revived = sum(1 for b in hit_blocks if b is not None and b.ref_cnt == 0)
+            need += grow + revived + int(self._shared_tail(table, start) is not None)
+        return need
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make room for `num_new_tokens` after the computed (and hit) ones; False, and no change, if out of blocks.
 
         `hit` (from `match_prefix`) is only given for a request that holds no blocks yet.
+        Blocks a window has passed are released first, whatever the outcome: the request
+        can no longer see them.
         """
+        if self.groups:
+            self.release_out_of_window(request)
         if self.blocks_needed(request, num_new_tokens, hit) > self.pool.num_available_blocks:
             return False
         table = self.block_tables.setdefault(request.seq_id, [])
@@ -185,6 +256,9 @@ class KVCacheManager:
             self.pool.incr_ref(hit.blocks)  # before allocating, so eviction cannot take them
             table.extend(hit.blocks)
             self.cached_prefixes[request.seq_id] = CachedPrefix(hit.cached.handle, hit.cached.num_blocks)
+            for g, blocks in enumerate(hit.group_blocks):  # every group's hit held before anything is evicted
+                self.pool.incr_ref([b for b in blocks if b is not None])
+                self.group_tables[g].setdefault(request.seq_id, []).extend(blocks)
         start = request.num_computed_tokens + (hit.num_blocks * self.block_size if hit else 0)
         shared = self._shared_tail(table, start)
         if shared is not None:
@@ -192,8 +266,34 @@ class KVCacheManager:
         grow = cdiv(start + num_new_tokens, self.block_size) - len(table)
         if grow > 0:
             table.extend(self.pool.get_new_blocks(grow))
-        self._register_in_flight(request, table, start, start + num_new_tokens)
+        for g in range(len(self.groups)):
+            self._allocate_group(g, request, start, start + num_new_tokens)
+        if not self.groups:
+            self._register_in_flight(request, table, start, start + num_new_tokens)
         return True
+
+    def _allocate_group(self, g: int, request: KVRequest, start: int, end: int) -> None:
+        """allocate_slots for group g, its hit already in its table (the check for room was for every group)."""
+        table = self.group_tables[g].setdefault(request.seq_id, [])
+        shared = self._shared_tail(table, start)
+        if shared is not None:
+            self._copy_on_write(table, shared)
+        grow = cdiv(end, self.block_size) - len(table)
+        if grow > 0:
+            table.extend(self.pool.get_new_blocks(grow))
+
+    def release_out_of_window(self, request: KVRequest) -> None:
+        """Give back the window groups' blocks no query from `num_computed_tokens` on can see
+        (cached ones stay matchable until evicted); tail first, as `free` does."""
+        for spec, tables in zip(self.groups, self.group_tables, strict=True):
+            table = tables.get(request.seq_id)
+            if not table or spec.sliding_window is None:
+                continue
+            first = min(spec.first_needed_block(request.num_computed_tokens, self.block_size), len(table))
+            passed = [b for b in table[:first] if b is not None]
+            if passed:
+                table[:first] = [None] * first
+                self.pool.free_blocks(reversed(passed))
 
     def _register_in_flight(self, request: KVRequest, table: list[KVCacheBlock], start: int, end: int) -> None:
         """The blocks tokens [start, end) fill, matchable by requests admitted in the same step."""
@@ -211,14 +311,14 @@ class KVCacheManager:
             if self.in_flight.get(key) is block:
                 del self.in_flight[key]
 
-    def _shared_tail(self, table: list[KVCacheBlock], start: int) -> int | None:
+    def _shared_tail(self, table: list[KVCacheBlock | None], start: int) -> int | None:
         """Index of the partly filled block the next token goes into, if others share it."""
         idx = start // self.block_size
-        if start % self.block_size and idx < len(table) and table[idx].ref_cnt > 1:
+        if start % self.block_size and idx < len(table) and table[idx] is not None and table[idx].ref_cnt > 1:
             return idx
         return None
 
-    def _copy_on_write(self, table: list[KVCacheBlock], idx: int) -> None:
+    def _copy_on_write(self, table: list[KVCacheBlock | None], idx: int) -> None:
         old = table[idx]
         (new,) = self.pool.get_new_blocks(1)
         self.pool.free_blocks([old])  # the other owners keep it
@@ -231,7 +331,11 @@ class KVCacheManager:
         return copies
 
     def cache_full_blocks(self, request: KVRequest) -> None:
-        """Insert the blocks this request has filled since the last call (prompt and output tokens)."""
+        """Insert the blocks this request has filled since the last call (prompt and output tokens);
+        then release the window groups' blocks the next query no longer sees."""
+        if self.groups:
+            self._cache_group_blocks(request)
+            self.release_out_of_window(request)
         if self.prefix_cache is None:
             return
         table = self.block_tables[request.seq_id]
@@ -260,6 +364,28 @@ class KVCacheManager:
         self.cached_prefixes[request.seq_id] = CachedPrefix(handle, full)
         if stored and self.events is not None:
             self._announce_stored(request, stored)
+
+    def _cache_group_blocks(self, request: KVRequest) -> None:
+        """cache_full_blocks for the groups after the first (before the first group's, which
+        moves `cached_prefixes` on): their blocks filled since, under the same chained keys."""
+        if self.prefix_cache is None:
+            return
+        done = self.cached_prefixes[request.seq_id].num_blocks if request.seq_id in self.cached_prefixes else 0
+        full = request.num_computed_tokens // self.block_size
+        if full <= done:
+            return
+        bs, keys = self.block_size, self._block_keys(request, full)
+        for cache, tables in zip(self.group_caches, self.group_tables, strict=True):
+            table = tables[request.seq_id]
+            for i in range(done, full):
+                if table[i] is None:
+                    continue
+                tokens = request.all_token_ids[i * bs : (i + 1) * bs]
+                _, (held,) = cache.insert(b"", tokens, [table[i]], request.extra_key, [keys[i]])
+                if held is not table[i]:  # cached first by another request: share theirs
+                    self.pool.incr_ref([held])
+                    self.pool.free_blocks([table[i]])
+                    table[i] = held
 
     def _offer(self, block: KVCacheBlock, key: bytes) -> None:
         """A block this request computed is cached now: the tiers may want it now and on eviction."""
@@ -364,6 +490,10 @@ class KVCacheManager:
         table = self.block_tables[parent.seq_id]
         self.pool.incr_ref(table)
         self.block_tables[child.seq_id] = list(table)
+        for tables in self.group_tables:
+            table = tables[parent.seq_id]
+            self.pool.incr_ref([b for b in table if b is not None])
+            tables[child.seq_id] = list(table)
         if parent.seq_id in self.cached_prefixes:
             done = self.cached_prefixes[parent.seq_id]
             self.cached_prefixes[child.seq_id] = CachedPrefix(done.handle, done.num_blocks)
@@ -374,14 +504,18 @@ class KVCacheManager:
         table = self.block_tables.pop(request.seq_id, [])
         self._drop_in_flight(request, table, 0, len(table))
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix
+        for tables in self.group_tables:
+            self.pool.free_blocks([b for b in reversed(tables.pop(request.seq_id, [])) if b is not None])
 
     def check_integrity(self) -> None:
         """The pool's and the prefix cache's invariants, each block's ref count = the tables holding
         it, and the in-flight blocks held and not yet cached."""
         self.pool.check_integrity()
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_integrity()
-        held = Counter(b.block_id for table in self.block_tables.values() for b in table)
+        for cache in [self.prefix_cache, *self.group_caches]:
+            if cache is not None:
+                cache.check_integrity()
+        tables = [*self.block_tables.values(), *(t for group in self.group_tables for t in group.values())]
+        held = Counter(b.block_id for table in tables for b in table if b is not None)
         wrong = [b.block_id for b in self.pool.blocks if b.ref_cnt != held[b.block_id]]
         assert not wrong, f"blocks {wrong[:5]} have ref counts that differ from the tables holding them"
         assert all(b.ref_cnt > 0 and not b.cached for b in self.in_flight.values()), (
@@ -390,7 +524,7 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix; refused (False) while any request holds blocks."""
-        if self.block_tables:
+        if self.block_tables or any(self.group_tables):
             return False
         if self.prefix_cache is not None:
             self.pool.reclaim(self.pool.num_evictable_blocks)

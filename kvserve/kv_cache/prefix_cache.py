@@ -90,6 +90,10 @@ class PrefixCache(ABC):
     def num_evictable_blocks(self) -> int: ...
 
     @abstractmethod
+    def holds(self, block: KVCacheBlock) -> bool:
+        """The block is cached here (several KV groups' caches share one pool)."""
+
+    @abstractmethod
     def size_info(self) -> CacheSize: ...
 
     @abstractmethod

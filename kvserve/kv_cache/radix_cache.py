@@ -175,6 +175,9 @@ class RadixCache(PrefixCache):
     def num_evictable_blocks(self) -> int:
         return self._num_evictable
 
+    def holds(self, block: KVCacheBlock) -> bool:
+        return block.block_id in self.node_of
+
     def size_info(self) -> CacheSize:
         return CacheSize(cached_blocks=len(self.node_of), evictable_blocks=self._num_evictable)
 

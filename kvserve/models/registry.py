@@ -15,6 +15,8 @@ _MODELS: dict[str, tuple[str, str]] = {
     "mistral": ("llama", "LlamaForCausalLM"),
     "qwen2": ("llama", "LlamaForCausalLM"),  # bias on q/k/v
     "qwen3": ("llama", "LlamaForCausalLM"),  # RMSNorm on each head of q and k
+    "gemma3_text": ("gemma3", "Gemma3ForCausalLM"),  # sliding window on 5 of every 6 layers
+    "gemma3": ("gemma3", "Gemma3ForCausalLM"),  # a GGUF file's general.architecture
 }
 
 

@@ -133,12 +133,12 @@ class DecoderLayers : public torch::CustomClassHolder {
       at::Tensor attn = buf.attn;
       if (paged[2].numel() > 0) {
         KVSERVE_RANGE("kvserve::paged_attention");
-        paged_attention(attn, q, kv_caches[l][0], kv_caches[l][1], paged[0], paged[1], paged[2], paged[3], scale);
+        paged_attention(attn, q, kv_caches[l][0], kv_caches[l][1], paged[0], paged[1], paged[2], paged[3], scale, 0);
       }
       if (!chunks.empty()) {
         KVSERVE_RANGE("kvserve::prefill_attention");
         prefill_attention(attn, q, kv_caches[l][0], kv_caches[l][1], chunks[0], chunks[1], chunks[2], chunks[3],
-                          scale);
+                          scale, 0);  // the layer loop runs full-attention (Llama) layers only
       }
       for (const LongChunk& c : long_chunks) long_chunk_attention(attn, q, k, v, kv_caches[l], c);
       const at::Tensor o = linear(attn.view({tokens, q_size}), w.o, buf.hidden);

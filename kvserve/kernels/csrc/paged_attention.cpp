@@ -5,7 +5,10 @@
 // Query i (0-based among the new tokens) attends keys [0, ctx - qlen + i]: all of the
 // cached prefix and, causally, the new tokens, whose K/V the caller has already
 // written. Rows of q that no sequence owns are left alone (the caller computes them
-// another way).
+// another way). With a sliding window (window > 0, Gemma 3's local layers) query i sees
+// only keys [ctx - qlen + i + 1 - window, ctx - qlen + i]: each item starts at its first
+// row's lowest visible key, so blocks before it (placeholders in a window group's table,
+// their blocks back in the pool) are never read.
 //
 // Work items are (sequence, tile of up to kQueryTile query rows); a thread runs an
 // item's KV heads one after another. Each KV head's pass handles every query head that
@@ -57,6 +60,7 @@ struct Problem {
   const int32_t* context_lens;  // [num_seqs]
   int64_t kv_heads, group;  // group: query heads per KV head
   float scale;
+  int64_t window;  // sliding window, 0 for none
 };
 
 struct Item {
@@ -77,11 +81,11 @@ constexpr bool kKeyLanes =
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha;
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
-  std::vector<int64_t> limit;  // keys [0, limit) visible to each row
+  std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
   std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows),
-        limit(rows), keys(kTileTokens), next_keys(kTileTokens) {}
+        limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens) {}
 };
 
 // The item's queries (row r = query (r / group), head r % group of the group): scaled
@@ -104,6 +108,7 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
       sc.m[r] = kNegInf;
       sc.l[r] = 0.f;
       sc.limit[r] = ctx - qlen + i + 1;
+      sc.lower[r] = p.window > 0 ? std::max<int64_t>(0, sc.limit[r] - p.window) : 0;
     }
   }
   return r;
@@ -282,12 +287,15 @@ inline void mask_tile(int64_t t0, int64_t n, int64_t rows, Scratch& sc) {
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = std::clamp(sc.limit[r] - t0, int64_t{0}, n);
     std::fill(&sc.s[r * kTileTokens + visible], &sc.s[r * kTileTokens + padded], kNegInf);
+    const int64_t before = std::clamp(sc.lower[r] - t0, int64_t{0}, visible);  // before the window
+    std::fill(&sc.s[r * kTileTokens], &sc.s[r * kTileTokens + before], kNegInf);
   }
 }
 
 // Online softmax: new running max, rescale factor for the old sum and output, and the
-// tile's probabilities (unnormalised) in place of its scores. Every row sees key 0 in
-// the first tile, so the running max is finite from then on (no inf - inf).
+// tile's probabilities (unnormalised) in place of its scores. Without a window every row
+// sees the item's first key in its first tile, so the running max is finite from then on;
+// with one a row may see nothing yet, and then keeps its empty state (no inf - inf).
 inline void softmax_tile(int64_t n, int64_t rows, Scratch& sc) {
   const int64_t padded = (n + W - 1) / W * W;
   for (int64_t r = 0; r < rows; ++r) {
@@ -295,6 +303,11 @@ inline void softmax_tile(int64_t n, int64_t rows, Scratch& sc) {
     fVec mx(kNegInf);
     for (int64_t t = 0; t < padded; t += W) mx = at::vec::maximum(mx, fVec::loadu(s + t));
     const float m_new = std::max(sc.m[r], hmax(mx));
+    if (m_new == kNegInf) {
+      std::fill_n(s, padded, 0.f);
+      sc.alpha[r] = 1.f;
+      continue;
+    }
     fVec sum(0.f), shift(m_new);
     for (int64_t t = 0; t < padded; t += W) {
       fVec e = (fVec::loadu(s + t) - shift).exp_u20();
@@ -356,6 +369,13 @@ int64_t item_keys(const Problem<T>& p, const Item& it) {
   return p.context_lens[it.seq] - p.query_lens[it.seq] + it.last;
 }
 
+// The item's first key: 0, or with a window its first row's lowest visible one.
+template <typename T>
+int64_t item_first_key(const Problem<T>& p, const Item& it) {
+  if (p.window <= 0) return 0;
+  return std::max<int64_t>(0, p.context_lens[it.seq] - p.query_lens[it.seq] + it.first + 1 - p.window);
+}
+
 // Locate keys [t0, t0 + kTileTokens) of (item, head) and start loading them.
 template <typename T, int D>
 void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t* rows) {
@@ -371,12 +391,12 @@ template <typename T, int D>
 void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc) {
   const int64_t rows = load_queries<T, D>(p, it, h, sc);
   const int64_t keys = item_keys(p, it);
-  for (int64_t t0 = 0; t0 < keys; t0 += kTileTokens) {
+  for (int64_t t0 = item_first_key(p, it); t0 < keys; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, keys - t0);
     if (t0 + n < keys) {
       fetch_tile<T, D>(p, it, h, t0 + n, sc.next_keys.data());
     } else if (then != nullptr) {
-      fetch_tile<T, D>(p, *then, then_h, 0, sc.next_keys.data());
+      fetch_tile<T, D>(p, *then, then_h, item_first_key(p, *then), sc.next_keys.data());
     }
     score_tile<T, D>(p, n, rows, sc);
     mask_tile(t0, n, rows, sc);
@@ -424,13 +444,13 @@ void run(const Problem<T>& p, const std::vector<Item>& items) {
       for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
         const Item& it = items[u / p.kv_heads];
         const int64_t h = u % p.kv_heads;
-        fetch_tile<T, D>(p, it, h, 0, sc.keys.data());
+        fetch_tile<T, D>(p, it, h, item_first_key(p, it), sc.keys.data());
         attend_item<T, D>(p, it, h, nullptr, 0, sc);
       }
       return;
     }
     int64_t i = claim();
-    if (i < n_items) fetch_tile<T, D>(p, items[i], 0, 0, sc.keys.data());
+    if (i < n_items) fetch_tile<T, D>(p, items[i], 0, item_first_key(p, items[i]), sc.keys.data());
     while (i < n_items) {
       // each head's pass prefetches the first keys of the next head, the last one those of
       // the next item, claimed one ahead for that
@@ -445,7 +465,8 @@ void run(const Problem<T>& p, const std::vector<Item>& items) {
 template <typename T>
 Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
-                        const at::Tensor& query_lens, const at::Tensor& context_lens, double scale) {
+                        const at::Tensor& query_lens, const at::Tensor& context_lens, double scale,
+                        int64_t window) {
   Problem<T> p;
   p.q = q.const_data_ptr<T>();
   p.out = out.mutable_data_ptr<T>();
@@ -462,6 +483,7 @@ Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Te
   p.context_lens = context_lens.const_data_ptr<int32_t>();
   p.kv_heads = k_cache.size(2), p.group = q.size(1) / k_cache.size(2);
   p.scale = static_cast<float>(scale);
+  p.window = window;
   return p;
 }
 
@@ -517,7 +539,7 @@ std::vector<int64_t> head_dims(std::integer_sequence<int, Ds...>) {
 // out[rows, heads, D] = attention of q over each sequence's paged K/V (see the top).
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-                     const at::Tensor& context_lens, double scale) {
+                     const at::Tensor& context_lens, double scale, int64_t window) {
   // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor starts = query_start.to(at::kLong).contiguous();
@@ -526,7 +548,7 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_ca
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
   auto launch = [&](auto zero) {
     using T = decltype(zero);
-    auto p = make_problem<T>(out, q, k_cache, v_cache, tables, starts, qlens, lens, scale);
+    auto p = make_problem<T>(out, q, k_cache, v_cache, tables, starts, qlens, lens, scale, window);
     dispatch_head_dim(p, q.size(2), make_items(p, lens.size(0)), HeadDims{});
   };
   switch (q.scalar_type()) {

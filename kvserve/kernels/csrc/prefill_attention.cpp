@@ -2,7 +2,9 @@
 //
 // Same contract as paged_attention (see there): sequence s owns rows [start, start +
 // qlen) of q and out, its new tokens at the end of ctx tokens of context, and query i
-// sees keys [0, ctx - qlen + i]. Only bf16, with AMX.
+// sees keys [0, ctx - qlen + i]; with a sliding window (window > 0) only the last
+// `window` of them, and nothing before the block of an item's lowest visible key is read
+// (a window group's earlier blocks are back in the pool). Only bf16, with AMX.
 //
 // Why: a chunk that follows a cached prefix otherwise goes to SDPA through a gathered
 // copy of the prefix and an additive mask, at ~0.3 TFLOP/s here; the AMX tile unit does
@@ -55,6 +57,7 @@ struct Problem {
   const int32_t* context_lens;
   int64_t group, head_dim;
   float scale_log2;  // softmax scale times log2(e): the softmax runs in base 2
+  int64_t window;    // sliding window, 0 for none
 };
 
 struct Item {
@@ -159,17 +162,18 @@ void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) 
   rt.l = _mm512_setzero_ps();
 }
 
-// V rows [t0, t0 + 32) interleaved in key pairs; keys past the context become zeros
-// (their probabilities are 0, but 0 * a stale NaN would not be).
-void pack_values(const Problem& p, const Item& it, int64_t t0, Scratch& sc) {
+// V rows [t0, t0 + 32) interleaved in key pairs; keys past the context, or before the
+// item's first readable key `first`, become zeros (their probabilities are 0, but 0 * a
+// stale NaN would not be).
+void pack_values(const Problem& p, const Item& it, int64_t t0, int64_t first, Scratch& sc) {
   const int64_t ctx = p.context_lens[it.seq], d = p.head_dim;
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t kp = 0; kp < kStep / 2; ++kp) {
     const int64_t t = t0 + 2 * kp;
-    const at::BFloat16* a = t < ctx ? key_row(p, p.v, it.seq, t, it.head) : sc.zeros;
-    const at::BFloat16* b = t + 1 < ctx ? key_row(p, p.v, it.seq, t + 1, it.head) : sc.zeros;
+    const at::BFloat16* a = t < ctx && t >= first ? key_row(p, p.v, it.seq, t, it.head) : sc.zeros;
+    const at::BFloat16* b = t + 1 < ctx && t + 1 >= first ? key_row(p, p.v, it.seq, t + 1, it.head) : sc.zeros;
     for (int64_t c = 0; c < d / 32; ++c) {
       const __m512i va = _mm512_loadu_si512(a + (a == sc.zeros ? 0 : c * 32));
       const __m512i vb = _mm512_loadu_si512(b + (b == sc.zeros ? 0 : c * 32));
@@ -179,12 +183,13 @@ void pack_values(const Problem& p, const Item& it, int64_t t0, Scratch& sc) {
   }
 }
 
-// S^T [32 keys][16 rows] for keys [t0, t0 + 32); a page past the context is all -inf.
-void scores(const Problem& p, const Item& it, int64_t t0, const RowTile& rt, Scratch& sc) {
+// S^T [32 keys][16 rows] for keys [t0, t0 + 32); a page past the context or before the
+// first readable key (`first` is block-aligned, so a page is wholly on one side) is all -inf.
+void scores(const Problem& p, const Item& it, int64_t t0, int64_t first, const RowTile& rt, Scratch& sc) {
   const int64_t ctx = p.context_lens[it.seq];
   for (int64_t half = 0; half < 2; ++half) {
     const int64_t t = t0 + half * kPage;
-    if (t >= ctx) {
+    if (t >= ctx || t < first) {
       for (int64_t j = 0; j < kPage; ++j) _mm512_store_ps(sc.s[half * kPage + j], _mm512_set1_ps(-INFINITY));
       continue;
     }
@@ -202,17 +207,22 @@ void scores(const Problem& p, const Item& it, int64_t t0, const RowTile& rt, Scr
 // Online softmax over a step's scores, then O = O * alpha + P V.
 void attend_step(const Problem& p, int64_t t0, RowTile& rt, Scratch& sc) {
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
-  const bool needs_mask = t0 + kStep > rt.min_limit;
+  const bool windowed = p.window > 0 && t0 < rt.max_limit - p.window;  // some row's window starts after t0
+  const bool needs_mask = t0 + kStep > rt.min_limit || windowed;
   __m512 s[kStep];
   __mmask16 visible[kStep];
   __m512 m = rt.m;
   for (int64_t j = 0; j < kStep; ++j) {
-    visible[j] = needs_mask ? _mm512_cmpgt_epi32_mask(rt.limit, _mm512_set1_epi32(static_cast<int32_t>(t0 + j)))
-                            : static_cast<__mmask16>(0xFFFF);
+    const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(t0 + j));
+    visible[j] = needs_mask ? _mm512_cmpgt_epi32_mask(rt.limit, key) : static_cast<__mmask16>(0xFFFF);
+    if (windowed)  // and limit - window <= key
+      visible[j] &= _mm512_cmple_epi32_mask(rt.limit, _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(p.window))));
     s[j] = _mm512_mask_blend_ps(visible[j], _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_load_ps(sc.s[j]), scale));
     m = _mm512_max_ps(m, s[j]);
   }
-  const __m512 alpha = exp2_neg(_mm512_sub_ps(rt.m, m));  // rows' first step: exp2(-inf) ~ 0, O and l are 0
+  // rows' first step: exp2(-inf) ~ 0, O and l are 0; a row that sees no key yet (a window)
+  // has m = -inf still, and exp2_neg maps the NaN of -inf - -inf to ~0 as well
+  const __m512 alpha = exp2_neg(_mm512_sub_ps(rt.m, m));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < kStep; ++j) {
     s[j] = _mm512_maskz_mov_ps(visible[j], exp2_neg(_mm512_sub_ps(s[j], m)));
@@ -272,13 +282,17 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t ntiles = (it.rows + kRows - 1) / kRows;
   for (int64_t t = 0; t < ntiles; ++t) load_row_tile(p, it, it.row0 + t * kRows, sc.tiles[t]);
   const int64_t keys = sc.tiles[ntiles - 1].max_limit;
-  for (int64_t t0 = 0; t0 < keys; t0 += kStep) {
+  // with a window: the block of the item's lowest visible key (its first row's)
+  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, sc.tiles[0].min_limit - p.window) : 0;
+  const int64_t first = lowest / p.block_size * p.block_size;
+  for (int64_t t0 = first / kStep * kStep; t0 < keys; t0 += kStep) {
     prefetch_step(p, it, t0 + kStep);
-    pack_values(p, it, t0, sc);
+    pack_values(p, it, t0, first, sc);
     for (int64_t t = 0; t < ntiles; ++t) {
       RowTile& rt = sc.tiles[t];
       if (t0 >= rt.max_limit) continue;  // every key of this step is in this tile's future
-      scores(p, it, t0, rt, sc);
+      if (p.window > 0 && t0 + kStep <= rt.min_limit - p.window) continue;  // and in the past of its window
+      scores(p, it, t0, first, rt, sc);
       attend_step(p, t0, rt, sc);
     }
   }
@@ -311,7 +325,7 @@ std::vector<Item> make_items(const Problem& p, int64_t num_seqs, int64_t kv_head
 // out[rows, heads, D] = attention of the chunks' queries over their paged K/V (see the top).
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-                       const at::Tensor& context_lens, double scale) {
+                       const at::Tensor& context_lens, double scale, int64_t window) {
 #if KVSERVE_AMX
   // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
@@ -337,6 +351,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   p.context_lens = lens.const_data_ptr<int32_t>();
   p.group = q.size(1) / k_cache.size(2), p.head_dim = q.size(2);
   p.scale_log2 = static_cast<float>(scale / std::log(2.0));
+  p.window = window;
   const std::vector<Item> items = make_items(p, lens.size(0), k_cache.size(2));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {

@@ -16,12 +16,12 @@ TORCH_LIBRARY(kvserve, m) {
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &kvserve::rotary_embedding);
 
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale) -> ()");
+        "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale, int window=0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &kvserve::paged_attention);
   m.def("supported_head_dims() -> int[]", &kvserve::supported_head_dims);
   m.def("vector_isa() -> str", &kvserve::vector_isa);
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale) -> ()");
+        "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale, int window=0) -> ()");
   m.impl("prefill_attention", c10::DispatchKey::CPU, &kvserve::prefill_attention);
 
   m.def("small_batch_linear(Tensor(a!) out, Tensor x, Tensor packed_weight, Tensor? bias, bool use_amx) -> ()");

@@ -5,12 +5,18 @@ chunks, one request after another. A backend writes the new K/V into the pool at
 `slot_mapping` and computes attention over each request's whole context. The
 `TorchAttention` backend is pure PyTorch (SDPA) and runs anywhere; a faster kernel
 only has to implement `AttentionBackend.forward`.
+
+A sliding window (Gemma 3's local layers) narrows what each query sees: a key is
+visible when `query_pos - key_pos < sliding_window`. It is part of the metadata because
+the model runner builds one per KV group (layers of one kind share block tables), and
+a window group's blocks before the window may already be back in the pool: their
+table entries are placeholders that no backend may read.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +30,7 @@ class PrefillSeq:
     query_len: int
     context_len: int  # cached prefix + new tokens
     block_table: torch.Tensor  # [ceil(context_len / block_size)] physical block ids
+    sliding_window: int | None = None  # its KV group's window, None for full attention
     _bias: torch.Tensor | None = field(default=None, repr=False)
 
     @property
@@ -31,16 +38,27 @@ class PrefillSeq:
         """Tokens before the chunk are in the pool already (an earlier chunk, a cache hit)."""
         return self.context_len > self.query_len
 
-    def attn_bias(self, groups: int, dtype: torch.dtype) -> torch.Tensor:
+    def first_key(self, block_size: int) -> int:
+        """The first key any query of the chunk sees, rounded down to its block: blocks
+        before it may be gone from the pool (a window group's), so nothing reads them."""
+        if self.sliding_window is None:
+            return 0
+        return max(0, self.context_len - self.query_len - self.sliding_window + 1) // block_size * block_size
+
+    def attn_bias(self, groups: int, dtype: torch.dtype, key_start: int = 0) -> torch.Tensor:
         """The causal mask after a cached prefix (query i sees keys up to context_len -
-        query_len + i) as an additive bias for `groups` query heads folded into the rows
-        ([groups * query_len, context_len]); built on first use (only the SDPA path needs
-        it), then shared by every layer."""
+        query_len + i, and with a window none `sliding_window` or more before it) over
+        keys [key_start, context_len), as an additive bias for `groups` query heads folded
+        into the rows ([groups * query_len, context_len - key_start]); built on first use
+        (only the SDPA path needs it), then shared by every layer."""
         rows = groups * self.query_len
         if self._bias is None or self._bias.dtype != dtype or self._bias.shape[0] != rows:
             device = self.block_table.device
-            last = torch.arange(self.context_len - self.query_len, self.context_len, device=device)
-            hidden = torch.arange(self.context_len, device=device).unsqueeze(0) > last.unsqueeze(1)
+            last = torch.arange(self.context_len - self.query_len, self.context_len, device=device).unsqueeze(1)
+            keys = torch.arange(key_start, self.context_len, device=device).unsqueeze(0)
+            hidden = keys > last
+            if self.sliding_window is not None:
+                hidden |= last - keys >= self.sliding_window
             bias = torch.zeros(hidden.shape, dtype=dtype, device=device)
             self._bias = bias.masked_fill_(hidden, float("-inf")).repeat(groups, 1)
         return self._bias
@@ -54,8 +72,18 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int32: tokens each decode attends to
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool (the window in it)
     prefills: list[PrefillSeq]
+    sliding_window: int | None = None  # its KV group's window, None for full attention
+    backend_state: object | None = field(default=None, repr=False)  # what a backend plans from it, once per step
+
+
+# One metadata for every layer (a single KV group), or one per layer (each its group's).
+LayerMetadata: TypeAlias = "AttentionMetadata | list[AttentionMetadata]"
+
+
+def layer_metadata(meta: AttentionMetadata | list[AttentionMetadata], num_layers: int) -> list[AttentionMetadata]:
+    return meta if isinstance(meta, list) else [meta] * num_layers
 
 
 class AttentionBackend(Protocol):
@@ -119,6 +147,10 @@ class TorchAttention:
     ) -> torch.Tensor:
         # 4-D inputs: with 3-D ones SDPA takes its slow math path instead of the flash kernel
         q = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if not seq.cached_prefix and seq.sliding_window is not None and seq.query_len > seq.sliding_window:
+            keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+            mask = seq.attn_bias(1, q.dtype)  # [n, n]: causal and the window
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)[0].transpose(0, 1)
         if not seq.cached_prefix:  # the new K/V are the whole context
             keys, values = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, keys, values, is_causal=True, enable_gqa=True)
@@ -129,7 +161,10 @@ class TorchAttention:
         num_heads, n, dim = q.shape[1:]
         num_kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
         q = q.reshape(1, num_kv_heads, groups * n, dim)
-        keys = gather_kv(kv_cache[0], seq.block_table)[:, : seq.context_len].unsqueeze(0)
-        values = gather_kv(kv_cache[1], seq.block_table)[:, : seq.context_len].unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.attn_bias(groups, q.dtype))
+        bs = kv_cache.shape[2]
+        start = seq.first_key(bs)
+        table = seq.block_table[start // bs :]
+        keys = gather_kv(kv_cache[0], table)[:, : seq.context_len - start].unsqueeze(0)
+        values = gather_kv(kv_cache[1], table)[:, : seq.context_len - start].unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.attn_bias(groups, q.dtype, start))
         return o.reshape(num_heads, n, dim).transpose(0, 1)  # CUDA SDPA may return other strides

@@ -46,8 +46,6 @@ class CpuPagedAttention:
     def __init__(self, max_prefill_queries: int = KERNEL_MAX_PREFILL_QUERIES, prefill_kernel: bool = False) -> None:
         self.max_prefill_queries = max_prefill_queries
         self.prefill_kernel = prefill_kernel
-        self._batch_meta: AttentionMetadata | None = None  # every layer of a step shares one meta
-        self._batch: KernelBatch | None = None
 
     def forward(
         self,
@@ -62,20 +60,22 @@ class CpuPagedAttention:
         out = torch.empty_like(q)
         batch = self.plan(meta, q.dtype, kv_cache.shape[2])
         scale = 1.0 / math.sqrt(q.shape[-1])
+        window = meta.sliding_window or 0
         if batch.paged.query_lens.numel():
-            paged_attention(out, q, kv_cache, batch.paged, scale)
+            paged_attention(out, q, kv_cache, batch.paged, scale, window)
         if batch.chunks is not None:
-            prefill_attention(out, q, kv_cache, batch.chunks, scale)
+            prefill_attention(out, q, kv_cache, batch.chunks, scale, window)
         for seq in batch.torch_prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = TorchAttention._prefill(q[rows], k[rows], v[rows], kv_cache, seq)
         return out.flatten(1)
 
     def plan(self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int) -> KernelBatch:
-        if self._batch_meta is not meta:
+        """Once per metadata (every layer of a KV group shares one in a step), kept on it."""
+        if not isinstance(meta.backend_state, KernelBatch):
             chunks = self.prefill_kernel and dtype == torch.bfloat16 and block_size % 16 == 0
-            self._batch, self._batch_meta = kernel_batch(meta, self.max_prefill_queries, chunks), meta
-        return self._batch
+            meta.backend_state = kernel_batch(meta, self.max_prefill_queries, chunks)
+        return meta.backend_state
 
 
 def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int, prefill_kernel: bool) -> KernelBatch:
