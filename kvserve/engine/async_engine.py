@@ -25,6 +25,7 @@ from kvserve.engine.client import (
     ReplicaInfo,
     StepHook,
 )
+from kvserve.engine.kv_state import KVState, KVStateFeed
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.logger import logger
 from kvserve.outputs import RequestOutput
@@ -50,6 +51,11 @@ class _ResetPrefixCache:
     done: asyncio.Future[bool]
 
 
+@dataclass
+class _CaptureKVState:
+    done: asyncio.Future[KVState]
+
+
 class AsyncLLMEngine:
     """`EngineClient` over an `LLMEngine` stepped in a thread of its own."""
 
@@ -60,12 +66,15 @@ class AsyncLLMEngine:
         )
         self.replica_info = replica_info(engine)
         self.max_queued_requests = max_queued_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | _CaptureKVState | None] = (
+            queue.SimpleQueue()
+        )
         self._streams: dict[str, _Add] = {}
         self._adds_sent = self._adds_applied = 0  # each written by one thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self.on_step: list[StepHook] = []  # metrics hooks, engine thread
+        self.kv_feed = KVStateFeed(engine, self.num_waiting)
+        self.on_step: list[StepHook] = [self.kv_feed.after_step]  # and metrics hooks; engine thread
         self.errored: BaseException | None = None
 
     @classmethod
@@ -144,6 +153,21 @@ class AsyncLLMEngine:
         self._commands.put(_ResetPrefixCache(done))
         return await done
 
+    async def kv_state(self) -> KVState:
+        """A snapshot of the KV cache and queues; never stalls the step loop (see engine/kv_state.py)."""
+        self.check_health()
+        state = self.kv_feed.current()
+        if state is None:  # changed since the last one: the engine thread takes one between steps
+            done: asyncio.Future[KVState] = asyncio.get_running_loop().create_future()
+            self._commands.put(_CaptureKVState(done))
+            try:
+                state = await asyncio.wait_for(done, timeout=2.0)
+            except TimeoutError:  # a long step, or a stuck engine: the last one, dated by its `taken`
+                if self.kv_feed.latest is None:
+                    raise
+                state = self.kv_feed.latest
+        return state
+
     def check_health(self) -> None:
         if self.errored is not None:
             raise EngineDeadError("the engine has stopped after an error") from self.errored
@@ -181,6 +205,9 @@ class AsyncLLMEngine:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(cmd.done.set_result, self.engine.reset_prefix_cache())
                 continue
+            if isinstance(cmd, _CaptureKVState):
+                self._deliver_state(cmd.done, self.kv_feed.capture())
+                continue
             self._adds_applied += 1
             try:
                 self.engine.add_request(cmd.prompt, cmd.params, request_id=cmd.request_id, cache_salt=cmd.cache_salt)
@@ -201,6 +228,10 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(_put_all, deliveries)
         for hook in self.on_step:
             hook(outputs)
+
+    def _deliver_state(self, done: asyncio.Future[KVState], state: KVState) -> None:
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(state))  # its reader may be gone
 
     def _deliver(self, add: _Add, item: RequestOutput | BaseException) -> None:
         assert self._loop is not None

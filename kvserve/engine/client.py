@@ -16,6 +16,7 @@ from kvserve.sampling_params import BeamSearchParams, SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from kvserve.engine.kv_state import KVState
     from kvserve.engine.stats import EngineStats
     from kvserve.kv_cache.tiers.store import TierSnapshot
 
@@ -100,6 +101,10 @@ class EngineClient(Protocol):
 
     async def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix; False (nothing dropped) while requests run."""
+
+    async def kv_state(self) -> KVState:
+        """A snapshot of the KV pool, the prefix cache, the tiers and the queues (GET /debug/kv_state),
+        taken by the engine without stalling its step loop."""
 
     def check_health(self) -> None:
         """Raises EngineDeadError once the engine has stopped after an error."""

@@ -3,8 +3,10 @@
 Endpoints: /v1/completions, /v1/chat/completions (streamed or whole), /v1/models,
 /tokenize and /detokenize (passed to a replica), /health (200 while a replica is
 routable), /metrics (the router's own), /router/replicas (each replica's state, index and
-load), /version. The caller's key is checked here (the replicas' --api-keys file) and
-forwarded as it came, so each replica derives the same tenant and salt.
+load), /dashboard and /debug/kv_state (one panel per replica, each its replica's own
+/debug/kv_state: router/dashboard.py), /version. The caller's key is checked here (the
+replicas' --api-keys file) and forwarded as it came, so each replica derives the same
+tenant and salt.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.logger import logger
+from kvserve.router.dashboard import router_state
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import make_policy
 from kvserve.router.proxy import Proxy, refused_or_reset
@@ -36,6 +39,7 @@ from kvserve.router.request import Kind, RoutedRequest, Tokenization, block_keys
 from kvserve.router.tokenizer import RouterTokenizer
 from kvserve.server.async_utils import with_cancellation
 from kvserve.server.auth import ApiKeys
+from kvserve.server.dashboard import add_dashboard_routes
 from kvserve.server.errors import APIError, add_exception_handlers, bad_request
 from kvserve.server.middleware import BodySizeLimit
 from kvserve.server.protocol import HealthResponse, ModelCard, ModelList, VersionResponse
@@ -258,7 +262,14 @@ def build_app(settings: RouterSettings) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_size)
     app.state.router = Router(settings)
     _add_routes(app)
+    add_dashboard_routes(app, lambda request: settings.api_keys, _dashboard_state)
     return app
+
+
+async def _dashboard_state(raw_request: Request) -> dict[str, Any]:
+    router: Router = raw_request.app.state.router
+    authorization = raw_request.headers.get("authorization")
+    return await router_state(router.replicas.replicas, router.metrics, router.client, authorization)
 
 
 def _add_routes(app: FastAPI) -> None:

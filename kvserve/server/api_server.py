@@ -23,6 +23,9 @@ from kvserve.kv_events.publisher import connectable
 from kvserve.logger import logger
 from kvserve.server.async_utils import with_cancellation
 from kvserve.server.auth import ApiKeys, server_cache_secret
+from kvserve.server.dashboard import add_dashboard_routes
+from kvserve.server.dashboard_history import DashboardHistory
+from kvserve.server.dashboard_state import replica_state
 from kvserve.server.errors import APIError, add_exception_handlers
 from kvserve.server.fields import UnknownFields
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -199,10 +202,12 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
     engine: EngineClient = app.state.engine
     engine.start()
     stats_logger = asyncio.create_task(StatsLogger(engine, app.state.stats_log_interval).run())
+    history = asyncio.create_task(app.state.dashboard_history.run())
     try:
         yield
     finally:
         stats_logger.cancel()
+        history.cancel()
         await engine.stop()
 
 
@@ -222,6 +227,12 @@ def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     state.openai_serving_completion = OpenAIServingCompletion(*serving)
     state.openai_serving_chat = OpenAIServingChat(*serving)
     state.openai_serving_tokenization = OpenAIServingTokenization(*serving)
+    state.dashboard_history = history = DashboardHistory(engine, metrics)
+    add_dashboard_routes(
+        app,
+        lambda request: request.app.state.api_keys,
+        lambda request: replica_state(engine, metrics, history, settings.served_model_name),
+    )
     return app
 
 

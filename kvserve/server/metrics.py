@@ -53,6 +53,7 @@ class EngineCollector(Collector):
         yield _counter(
             "external_prefix_cache_hits", "Prompt tokens loaded from the KV tiers.", stats.external_prefix_cache_hits
         )
+        yield _counter("prefix_cache_evictions", "Blocks evicted from the prefix cache.", stats.prefix_cache_evictions)
         yield from _tier_metrics(load.kv_tiers, load.block_size)
         yield _counter("num_preemptions", "Preemptions of running requests.", stats.num_preemptions)
         yield _counter("prompt_tokens", "Prefill tokens of requests that produced a token.", stats.prompt_tokens)
