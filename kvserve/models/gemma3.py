@@ -31,26 +31,18 @@ from kvserve.layers.layernorm import RMSNorm
 from kvserve.layers.linear import PackedLinear, pack_linears
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.config import ModelConfig
+from kvserve.models.llama import Attention
 
 
-class Gemma3Attention(nn.Module):
+class Gemma3Attention(Attention):
+    """Llama's, with q and k RMSNorm per head always and q scaled by query_pre_attn_scalar."""
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
-        super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
-        )
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.split = (q_size, kv_size, kv_size)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        super().__init__(cfg, backend, ops)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         # the backends scale by 1/sqrt(head_dim); q absorbs the difference (1.0 for the real models)
         self.q_scale = (self.head_dim / (cfg.query_pre_attn_scalar or self.head_dim)) ** 0.5
-        self.backend = backend
-        self.ops = ops
 
     def forward(
         self, cos_sin: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
