@@ -13,10 +13,10 @@ blocks are freed and it goes back to the head of the queue to be recomputed.
 With KV tiers, a waiting request whose blocks must come from disk or Redis leaves
 the queue for `loading` (vLLM's waiting-for-remote-KV state) while the others keep
 running, and returns to the head of the queue when they arrive, fail or time out. A load
-that ends within half a step (`LOAD_WAIT_SHARE`, at most `LOAD_WAIT_MAX` per step) is
-waited for instead: leaving the queue would cost its request a whole step, while a
-page-cached disk read or a loopback Redis read of a long history takes 5-30 ms; the
-others lose at most that much of one step.
+that ends within a quarter of a step (`LOAD_WAIT_SHARE`, at most `LOAD_WAIT_MAX` per
+step) is waited for instead: leaving the queue would cost its request a whole step,
+while a page-cached disk read of a long history takes 5-20 ms; the others lose at most
+that much of one step (half a step was measured no better).
 
 Beam search (`beam_group.py`): each live beam is a running request; a group is admitted only
 with room for all its beams (seats and blocks), its beams stay next to each other in
@@ -35,8 +35,8 @@ from kvserve.engine.request import Request, RequestStatus
 from kvserve.kv_cache.kv_cache_manager import BlockCopy, BlockLoad, BlockSave, KVCacheManager, PrefixHit
 from kvserve.layers.sampler import SampledToken
 
-LOAD_WAIT_SHARE = 0.5  # of the time between two steps
-LOAD_WAIT_MAX = 0.05  # seconds per step
+LOAD_WAIT_SHARE = 0.25  # of the time between two steps
+LOAD_WAIT_MAX = 0.02  # seconds per step
 
 
 @dataclass(frozen=True)
