@@ -226,19 +226,22 @@ class KVCacheManager:
 
     def blocks_needed(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> int:
         """Blocks (new ones, a copy-on-write one, evictable hits revived) that scheduling these tokens takes."""
-        table = self.block_tables.get(request.seq_id, [])
         hit_blocks = hit.blocks if hit else []
         start = request.num_computed_tokens + len(hit_blocks) * self.block_size
-        grow = max(0, cdiv(start + num_new_tokens, self.block_size) - max(len(table), len(hit_blocks)))
-        revived = sum(1 for b in hit_blocks if b.ref_cnt == 0)
-        need = grow + revived + int(self._shared_tail(table, start) is not None)
+        end = start + num_new_tokens
+        need = self._table_need(self.block_tables.get(request.seq_id, []), hit_blocks, start, end)
         for g, tables in enumerate(self.group_tables):
-            table = tables.get(request.seq_id, [])
-            hit_blocks = hit.group_blocks[g] if hit else []
-            grow = max(0, cdiv(start + num_new_tokens, self.block_size) - max(len(table), len(hit_blocks)))
-            revived = sum(1 for b in hit_blocks if b is not None and b.ref_cnt == 0)
-            need += grow + revived + int(self._shared_tail(table, start) is not None)
+            group_hit = hit.group_blocks[g] if hit else []
+            need += self._table_need(tables.get(request.seq_id, []), group_hit, start, end)
         return need
+
+    def _table_need(
+        self, table: list[KVCacheBlock | None], hit_blocks: list[KVCacheBlock | None], start: int, end: int
+    ) -> int:
+        """`blocks_needed` for one group's table."""
+        grow = max(0, cdiv(end, self.block_size) - max(len(table), len(hit_blocks)))
+        revived = sum(1 for b in hit_blocks if b is not None and b.ref_cnt == 0)
+        return grow + revived + int(self._shared_tail(table, start) is not None)
 
     def allocate_slots(self, request: KVRequest, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Make room for `num_new_tokens` after the computed (and hit) ones; False, and no change, if out of blocks.
@@ -260,21 +263,16 @@ class KVCacheManager:
                 self.pool.incr_ref([b for b in blocks if b is not None])
                 self.group_tables[g].setdefault(request.seq_id, []).extend(blocks)
         start = request.num_computed_tokens + (hit.num_blocks * self.block_size if hit else 0)
-        shared = self._shared_tail(table, start)
-        if shared is not None:
-            self._copy_on_write(table, shared)
-        grow = cdiv(start + num_new_tokens, self.block_size) - len(table)
-        if grow > 0:
-            table.extend(self.pool.get_new_blocks(grow))
-        for g in range(len(self.groups)):
-            self._allocate_group(g, request, start, start + num_new_tokens)
+        self._extend_table(table, start, start + num_new_tokens)
+        for tables in self.group_tables:
+            self._extend_table(tables.setdefault(request.seq_id, []), start, start + num_new_tokens)
         if not self.groups:
             self._register_in_flight(request, table, start, start + num_new_tokens)
         return True
 
-    def _allocate_group(self, g: int, request: KVRequest, start: int, end: int) -> None:
-        """allocate_slots for group g, its hit already in its table (the check for room was for every group)."""
-        table = self.group_tables[g].setdefault(request.seq_id, [])
+    def _extend_table(self, table: list[KVCacheBlock | None], start: int, end: int) -> None:
+        """One group's table made to cover tokens [start, end), the room checked for every group:
+        a copy of the shared partly filled block the tokens write to, then new blocks."""
         shared = self._shared_tail(table, start)
         if shared is not None:
             self._copy_on_write(table, shared)
