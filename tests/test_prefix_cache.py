@@ -5,6 +5,7 @@ The randomized stateful test lives in test_prefix_cache_stateful.py.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import random
 import subprocess
@@ -622,3 +623,14 @@ def test_block_keys_are_the_same_in_another_process() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60)
     assert done.stdout.strip() == str([k.hex() for k in chain_keys(b"", list(range(40)), 16, extra_key("t"))])
+
+
+def test_block_keys_are_sha256_of_parent_extra_key_and_little_endian_int64_tokens() -> None:
+    """The definition other processes and stored tiers rely on: any change must bump the format version."""
+    tokens = [0, 1, 2**40, 49151, 7, 8, 9, 10, 11]  # one id past 32 bits
+    parent, expected = b"", []
+    for i in range(0, 8, 4):
+        block = b"".join(t.to_bytes(8, "little") for t in tokens[i : i + 4])
+        parent = hashlib.sha256(parent + b"extra" + block).digest()
+        expected.append(parent)
+    assert chain_keys(b"", tokens, 4, b"extra") == expected

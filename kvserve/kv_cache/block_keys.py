@@ -1,5 +1,5 @@
 """Chained block keys: SHA-256 over (the parent block's key, the extra key, the block's
-token ids as int64), so a key names the whole prefix up to and including its block.
+token ids as little-endian int64), so a key names the whole prefix up to and including its block.
 
 The same prompt under the same extra key gives the same keys in every process and after
 a restart (no Python `hash()`, no pickle); the tenant's salt enters only inside the extra
@@ -10,22 +10,25 @@ extends them as blocks fill, so each key is computed once.
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Sequence
 
 
-def block_key(parent: bytes, token_ids: Sequence[int], extra_key: bytes) -> bytes:
-    h = hashlib.sha256(parent)
-    h.update(extra_key)
-    h.update(array("q", token_ids).tobytes())
-    return h.digest()
-
-
 def chain_keys(parent: bytes, token_ids: Sequence[int], block_size: int, extra_key: bytes) -> list[bytes]:
-    """The keys of the full blocks of `token_ids`, continuing the chain after `parent`."""
+    """The keys of the full blocks of `token_ids`, continuing the chain after `parent`.
+
+    The tokens are packed once (`struct`, little-endian whatever the machine) and hashed
+    slice by slice: a router hashes every block of a long prompt per request.
+    """
+    width = block_size * 8
+    n = len(token_ids) // block_size * block_size
+    packed = memoryview(struct.pack(f"<{n}q", *token_ids[:n]))
     keys = []
-    for i in range(len(token_ids) // block_size):
-        parent = block_key(parent, token_ids[i * block_size : (i + 1) * block_size], extra_key)
+    for start in range(0, len(packed), width):
+        h = hashlib.sha256(parent)
+        h.update(extra_key)
+        h.update(packed[start : start + width])
+        parent = h.digest()
         keys.append(parent)
     return keys
 

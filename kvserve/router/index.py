@@ -7,9 +7,10 @@ score a request against someone else's blocks. The router holds digests only, no
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from kvserve.kv_cache.events import DEVICE, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
@@ -30,6 +31,16 @@ class CachedRun:
 def usable_blocks(num_tokens: int, block_size: int) -> int:
     """Blocks a replica may take from its cache: the last prompt token is always computed (its logits)."""
     return max(0, (num_tokens - 1) // block_size)
+
+
+def _run(keys: Sequence[bytes], start: int, held: Container[bytes]) -> int:
+    """How many of `keys`, from `start` on, are held before the first that is not."""
+    n = 0
+    for key in itertools.islice(keys, start, None):
+        if key not in held:
+            break
+        n += 1
+    return n
 
 
 class BlockIndex:
@@ -81,13 +92,9 @@ class BlockIndex:
     def cached_run(self, keys: Sequence[bytes]) -> CachedRun:
         """As the replica matches: the longest prefix in the pool, then the blocks after it found in a tier."""
         with self._lock:
-            device = 0
-            while device < len(keys) and keys[device] in self._device:
-                device += 1
-            tier = device
-            while tier < len(keys) and keys[tier] in self._tiers:
-                tier += 1
-        return CachedRun(device, tier - device)
+            device = _run(keys, 0, self._device)
+            tier = _run(keys, device, self._tiers)
+        return CachedRun(device, tier)
 
     def clear(self) -> None:
         with self._lock:
@@ -124,10 +131,7 @@ class SentBlocks:
             self._keys.popitem(last=False)
 
     def cached_run(self, keys: Sequence[bytes]) -> CachedRun:
-        n = 0
-        while n < len(keys) and keys[n] in self._keys:
-            n += 1
-        return CachedRun(n, 0)
+        return CachedRun(_run(keys, 0, self._keys), 0)
 
     def clear(self) -> None:
         self._keys.clear()
