@@ -2,7 +2,10 @@
 
 Active checks: `GET /health` every `interval` (<= 1 s) with a timeout of HEALTH_TIMEOUT;
 two failures in a row (or two 5xx answers to requests) and the replica is dead: a frozen
-replica is out within interval + 2 timeouts (1.5 s by default, 2 s at most). Passive checks: a refused or reset
+replica is out within interval + 2 timeouts (1.5 s by default, 2 s at most). A check that
+times out while the replica streams tokens to the router is no failure: busy with a long
+prefill on one core, a replica can be slow to answer /health, and counting those killed
+live replicas (and their caches) on an overloaded host. Passive checks: a refused or reset
 connection kills it at once (a timeout alone never does: an overloaded router sees those
 everywhere, and two checks decide). A dead replica gets no requests (unless every replica
 is dead and it died of timeouts: then it is tried anyway, as Envoy's panic mode does),
@@ -184,6 +187,9 @@ class Replica:
     def pending_prefill_tokens(self) -> int:
         return sum(f.uncached_tokens for f in self.flights.values() if not f.started)
 
+    def streamed_tokens(self) -> int:
+        return sum(f.generated for f in self.flights.values())
+
     def router_tokens(self) -> int:
         return sum(f.prompt_tokens + f.generated for f in self.flights.values())
 
@@ -275,11 +281,16 @@ class ReplicaSet:
         await asyncio.gather(*(self._check(r, read_metrics) for r in self.replicas))
 
     async def _check(self, r: Replica, read_metrics: bool) -> None:
+        streamed = r.streamed_tokens()
         try:
             ok = (await self.client.get(f"{r.url}/health", timeout=HEALTH_TIMEOUT)).status_code == 200
         except httpx.ConnectError as e:
             self.connection_failed(r, e)
             return
+        except httpx.TimeoutException:
+            if r.state is State.HEALTHY and r.streamed_tokens() != streamed:
+                return  # slow to answer, but working: neither a failure nor a success
+            ok = False
         except httpx.HTTPError:
             ok = False
         if not ok:
