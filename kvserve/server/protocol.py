@@ -12,7 +12,16 @@ import dataclasses
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    model_serializer,
+    model_validator,
+)
 
 from kvserve.sampling_params import MAX_LOGPROBS, BeamSearchParams, SamplingParams
 
@@ -106,6 +115,9 @@ class SamplingRequest(RequestModel):
     early_stopping: bool | Literal["never"] = Field(
         False, description='beam search: true, false or "never", as in transformers'
     )
+    return_token_ids: bool = Field(
+        False, description="vLLM's: the prompt's token ids and each choice's generated ids beside the text"
+    )
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -165,6 +177,18 @@ def _is_one_of(value: object, allowed: tuple[object, ...]) -> bool:
     return any(value is a or (not isinstance(value, bool) and not isinstance(a, bool) and value == a) for a in allowed)
 
 
+class TokenIdsResponse(BaseModel):
+    """A response part with vLLM's `return_token_ids` fields: left out unless asked (None), as vLLM does."""
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unasked_ids(self, handler: SerializerFunctionWrapHandler):  # unannotated: keeps the schema
+        data = handler(self)
+        for name in ("prompt_token_ids", "token_ids"):
+            if name in data and data[name] is None:
+                del data[name]
+        return data
+
+
 # --- completions ------------------------------------------------------------------------------
 
 
@@ -200,12 +224,14 @@ class CompletionLogProbs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
+class CompletionResponseChoice(TokenIdsResponse):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids; streamed: in a choice's first chunk only
+    token_ids: list[int] | None = None  # return_token_ids; streamed: the tokens generated since the last chunk
 
 
 class PromptTokenUsageInfo(BaseModel):
@@ -299,21 +325,23 @@ class ChatCompletionLogProbs(BaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
-class ChatCompletionResponseChoice(BaseModel):
+class ChatCompletionResponseChoice(TokenIdsResponse):
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(TokenIdsResponse):
     id: str
     object: Literal["chat.completion"] = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
+    prompt_token_ids: list[int] | None = None  # return_token_ids (chat: here, not in the choices)
 
 
 class DeltaMessage(BaseModel):
@@ -327,6 +355,7 @@ class ChatCompletionResponseStreamChoice(BaseModel):
     logprobs: ChatCompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # return_token_ids: the tokens generated since the last chunk
 
 
 class ChatCompletionStreamResponse(BaseModel):
@@ -336,6 +365,7 @@ class ChatCompletionStreamResponse(BaseModel):
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # return_token_ids: in the first chunk (the role's) only
 
 
 # --- models, tokenizer, version -------------------------------------------------------------

@@ -63,11 +63,16 @@ class OpenAIServingChat(OpenAIServing):
                 logprobs=chat_logprobs(c, slice(None), request.top_logprobs or 0),
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
+                token_ids=c.token_ids if request.return_token_ids else None,
             )
             for c in final.outputs
         ]
         return ChatCompletionResponse(
-            id=request_id, model=self.served_model_name, choices=choices, usage=usage([final])
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage([final]),
+            prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
         )
 
     async def _stream(
@@ -80,15 +85,20 @@ class OpenAIServingChat(OpenAIServing):
         states = {i: StreamState() for i in range(request.n)}
         final = first
 
-        def chunk(choices: list[ChatCompletionResponseStreamChoice]) -> str:
-            return sse_data(ChatCompletionStreamResponse(id=request_id, model=self.served_model_name, choices=choices))
+        def chunk(choices: list[ChatCompletionResponseStreamChoice], prompt_ids: list[int] | None = None) -> str:
+            response = ChatCompletionStreamResponse(
+                id=request_id, model=self.served_model_name, choices=choices, prompt_token_ids=prompt_ids
+            )
+            return sse_data(response)
 
         def deltas(out: RequestOutput) -> list[ChatCompletionResponseStreamChoice]:
             choices = []
             for c in out.outputs:
                 text, new = states[c.index].advance(c)
                 logprobs = chat_logprobs(c, new, request.top_logprobs or 0)
-                if text or c.finish_reason or (logprobs and logprobs.content):
+                # with return_token_ids every token is sent when generated, its text held back or not (vLLM's)
+                token_ids = c.token_ids[new] if request.return_token_ids else None
+                if text or c.finish_reason or (logprobs and logprobs.content) or token_ids:
                     choices.append(
                         ChatCompletionResponseStreamChoice(
                             index=c.index,
@@ -96,6 +106,7 @@ class OpenAIServingChat(OpenAIServing):
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            token_ids=token_ids,
                         )
                     )
             return choices
@@ -103,7 +114,8 @@ class OpenAIServingChat(OpenAIServing):
         async with aclosing(stream):
             try:
                 role = DeltaMessage(role="assistant", content="")
-                yield chunk([ChatCompletionResponseStreamChoice(index=i, delta=role) for i in range(request.n)])
+                roles = [ChatCompletionResponseStreamChoice(index=i, delta=role) for i in range(request.n)]
+                yield chunk(roles, first.prompt_token_ids if request.return_token_ids else None)
                 if choices := deltas(first):
                     yield chunk(choices)
                 async for _, out in stream:

@@ -65,6 +65,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=completion_logprobs(c, slice(None), 0)[0] if c.logprobs is not None else None,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
+                        token_ids=c.token_ids if request.return_token_ids else None,
                     )
                 )
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage(finals))
@@ -79,10 +81,12 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         states: dict[int, StreamState] = {}
         offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        prompt_sent: set[int] = set()  # choices whose first chunk went out (with the prompt's ids, if asked)
         finals: dict[int, RequestOutput] = {}
 
         def chunk(i: int, out: RequestOutput) -> str | None:
             choices = []
+            prompt_ids = out.prompt_token_ids if request.return_token_ids else None
             for c in out.outputs:
                 index = i * request.n + c.index
                 echo = echoes[i] if echoes and index not in states else ""
@@ -90,7 +94,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 logprobs = None
                 if c.logprobs is not None:
                     logprobs, offsets[index] = completion_logprobs(c, new, offsets.get(index, 0))
-                if echo or text or c.finish_reason or (logprobs and logprobs.tokens):
+                # with return_token_ids every token is sent when generated, its text held back or not (vLLM's)
+                token_ids = c.token_ids[new] if request.return_token_ids else None
+                if echo or text or c.finish_reason or (logprobs and logprobs.tokens) or token_ids:
                     choices.append(
                         CompletionResponseChoice(
                             index=index,
@@ -98,8 +104,11 @@ class OpenAIServingCompletion(OpenAIServing):
                             logprobs=logprobs,
                             finish_reason=c.finish_reason,
                             stop_reason=c.stop_reason,
+                            prompt_token_ids=None if index in prompt_sent else prompt_ids,
+                            token_ids=token_ids,
                         )
                     )
+                    prompt_sent.add(index)
             if out.finished:
                 finals[i] = out
             if not choices:
