@@ -1,15 +1,23 @@
 """What a stream has sent its client, and how it goes on from another replica when it is cut.
 
-The router asks for each token's logprob entry (`logprobs: 0`, dropped again before the
-client sees it unless it asked), which names the token; the tokenizer maps that text back
-to its id where only one token reads so (not the byte pieces of a split character). On a
-cut, the continuation is a completion on another replica whose prompt is the original
-prompt's token ids plus the generated tokens up to the last clean boundary: the last token
-after which the client has been sent exactly the text so far. Tokens after it (text the
-replica was holding back: half a character, the start of a possible stop string) are
-generated again, so the new replica's detokenizer and stop-string matching start where
-the client's text ends. Their text and logprobs, already sent, are skipped; greedy
-decoding makes them the same tokens, so the whole text equals an uninterrupted run's.
+The router asks the replica for vLLM's `return_token_ids` (dropped again before the client
+sees them unless it asked), so it knows every generated token exactly, the byte pieces of a
+split character too. On a cut, the continuation is a completion on another replica whose
+prompt is the original prompt's token ids plus every token generated so far: nothing is
+generated again, so the stream goes on as the uninterrupted one would under any sampling.
+
+What the client has been sent ends where the replica's text stage let it go: a character
+waits for its last byte, and text that may start a stop string is held back. The new
+replica knows neither that text nor the stop string begun in it, so the router runs the
+replica's text stage itself from there on (`TextStage`: the same incremental detokenizer
+over all the tokens, then stop strings and hold-back as `engine/output_processor.py` does)
+and takes only the continuation's token ids; its stop strings are the router's to match,
+and a match ends the stream (the continuation's request is closed). The client's text is
+thus the prefix-consistent text of exactly the tokens it is counted for.
+
+Without a tokenizer the router cannot decode the tokens; the continuation then starts from
+the original prompt again and skips the text and the tokens the client already had, which
+is the same stream only under greedy decoding.
 
 `max_tokens` and `min_tokens` shrink by the tokens kept; the chunks keep the stream's id,
 chat streams are re-wrapped as chat chunks, and the final usage counts the original prompt
@@ -23,12 +31,16 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
 from kvserve.router.request import Kind, RoutedRequest
 from kvserve.router.tokenizer import RouterTokenizer
 
 # completion fields the router sets itself on a continuation; the rest of the body is kept
 _REPLACED = ("messages", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs")
-_REPLACED += ("echo", "n", "stream", "stream_options")
+_REPLACED += ("echo", "n", "stream", "stream_options", "return_token_ids")
+_STOPS = ("stop", "include_stop_str_in_output")  # matched by the router where it decodes the continuation
 
 
 class StreamCut(Exception):
@@ -36,15 +48,12 @@ class StreamCut(Exception):
 
 
 def upstream_body(request: RoutedRequest) -> dict[str, Any]:
-    """The body sent to the replica: usage always (for the metrics), and logprobs where the stream may migrate."""
+    """The body sent to the replica: usage always (for the metrics), and token ids where the stream may migrate."""
     body = copy.copy(request.body)
     if request.stream:
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     if request.migratable:
-        if request.kind == "completion" and body.get("logprobs") is None:
-            body["logprobs"] = 0
-        elif request.kind == "chat" and not body.get("logprobs") and "top_logprobs" not in body:
-            body["logprobs"], body["top_logprobs"] = True, 0
+        body["return_token_ids"] = True
     return body
 
 
@@ -59,13 +68,76 @@ def client_wants_usage(request: RoutedRequest) -> bool:
 
 
 @dataclass
-class Continuation:
-    """Where the current upstream takes over (all zero before any migration)."""
+class TextStage:
+    """A replica's text stage over one stream's tokens: its detokenizer (`tokenizer.IncrementalDetokenizer`),
+    then stop strings (looked for once `min_tokens` are out, never in the text of the token that ended the
+    request) and the hold-back of a tail that may start one, as `engine/output_processor.py` does."""
 
-    base_tokens: int = 0  # generated tokens in its prompt
-    text_base: int = 0  # length of their text
-    skip_tokens: int = 0  # its first tokens the client already had (generated again)
+    tokenizer: Tokenizer
+    decoder: DecodeStream
+    stops: list[str]
+    include_stop: bool
+    min_tokens: int
+    text: str = ""
+    num_tokens: int = 0
+    stop_reason: str | None = None
+    stop_at: int | None = None  # text length to cut at, once a stop string matched
+
+    @classmethod
+    def over(cls, tokenizer: Tokenizer, body: dict[str, Any], token_ids: list[int]) -> TextStage:
+        """The stage after `token_ids`, which their replica checked already (no stop string ended them)."""
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str) and s]
+        decoder = DecodeStream(skip_special_tokens=body.get("skip_special_tokens", True) is not False)
+        min_tokens = body.get("min_tokens") if isinstance(body.get("min_tokens"), int) else 0
+        stage = cls(tokenizer, decoder, stops, body.get("include_stop_str_in_output") is True, min_tokens)
+        for t in token_ids:
+            stage._decode(t)
+        return stage
+
+    def add(self, token_id: int, ends_request: bool) -> None:
+        delta = self._decode(token_id)
+        if not ends_request and delta and self.num_tokens >= self.min_tokens:
+            self._match(len(delta))
+
+    def released(self, finished: bool) -> str:
+        """The text the replica would have let go by now."""
+        if self.stop_at is not None:
+            return self.text[: self.stop_at]
+        return self.text if finished else self.text[: len(self.text) - self._holdback()]
+
+    def _decode(self, token_id: int) -> str:
+        delta = self.decoder.step(self.tokenizer, token_id) or ""
+        self.text += delta
+        self.num_tokens += 1
+        return delta
+
+    def _match(self, delta_len: int) -> None:
+        for stop in self.stops:
+            at = self.text.find(stop, max(0, len(self.text) - delta_len - len(stop) + 1))
+            if at != -1:
+                self.stop_reason, self.stop_at = stop, at + len(stop) if self.include_stop else at
+                return
+
+    def _holdback(self) -> int:
+        longest = 0
+        for stop in self.stops:
+            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:k]):
+                    longest = k
+                    break
+        return longest
+
+
+@dataclass
+class Continuation:
+    """Where the current upstream takes over."""
+
+    base_tokens: int  # generated tokens in its prompt
+    text_stage: TextStage | None  # the router's text of the stream (None: the replica's, after skip_chars)
+    skip_tokens: int = 0  # without a tokenizer: its first tokens the client already had (generated again)
     skip_chars: int = 0  # and their text
+    offset_base: int = 0  # completions logprobs: the client's text_offset of its first token
 
 
 @dataclass
@@ -74,11 +146,12 @@ class StreamProgress:
     tokenizer: RouterTokenizer | None
     wants_logprobs: bool = False
     wants_usage: bool = False
+    wants_token_ids: bool = False
     id: str | None = None
     model: str | None = None
-    token_ids: list[int | None] = field(default_factory=list)  # generated so far (None: not known exactly)
+    token_ids: list[int] = field(default_factory=list)  # every token generated so far
     text: str = ""  # the text the client has been sent
-    tokens_seen: int = 0  # tokens the client has had (their logprob entries, if it asked)
+    next_offset: int = 0  # completions logprobs: the client's text_offset of the next token
     finished: bool = False
     errored: bool = False  # the replica refused it mid-way (not a failure of the replica): passed on
     done: bool = False
@@ -88,6 +161,7 @@ class StreamProgress:
     def __post_init__(self) -> None:
         self.wants_logprobs = client_wants_logprobs(self.request)
         self.wants_usage = client_wants_usage(self.request)
+        self.wants_token_ids = self.request.body.get("return_token_ids") is True
 
     @property
     def kind(self) -> Kind:
@@ -95,52 +169,52 @@ class StreamProgress:
 
     # reading the upstream
 
-    def accept(self, data: str) -> str | None:
-        """One upstream `data:` payload -> what the client gets (None: nothing); raises StreamCut on a failure."""
+    def accept(self, data: str) -> list[str]:
+        """One upstream `data:` payload -> what the client gets, in order; raises StreamCut on a failure."""
         if data == "[DONE]":
             if not (self.finished or self.errored) and self.request.migratable:
                 raise StreamCut("[DONE] before the choice finished")
             self.done = True
-            return data
+            return [data]
         chunk = json.loads(data)
         if "error" in chunk:
             if chunk["error"].get("type") == "server_error":
                 raise StreamCut(chunk["error"].get("message", "server error"))
             self.errored = True
-            return data
+            return [data]
         if self.id is None:
             self.id, self.model = chunk.get("id"), chunk.get("model")
         if chunk.get("usage") is not None and not chunk.get("choices"):
             return self._usage(chunk)
         if self.continuation is not None:
-            chunk = self._rewrap(chunk, self.continuation)
-        else:
-            chunk["choices"] = [c for c in (self._original(c) for c in chunk.get("choices", [])) if c is not None]
-        if not chunk["choices"]:
-            return None
-        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+            return self._continued(chunk, self.continuation)
+        if not self.wants_token_ids:
+            chunk.pop("prompt_token_ids", None)  # chat's, in its first chunk
+        chunk["choices"] = [c for c in (self._original(c) for c in chunk.get("choices", [])) if c is not None]
+        return [_dumps(chunk)] if chunk["choices"] else []
 
     def _original(self, choice: dict[str, Any]) -> dict[str, Any] | None:
-        """A choice of the first replica's stream: note its tokens and text, hide what the client did not ask."""
-        entries = _entries(choice, self.kind)
+        """A choice of the first replica's stream: note its tokens and text, hide the ids the client did not ask."""
         if self.request.migratable:
-            self.token_ids += [self._token_id(e) for e in entries]
-            self.tokens_seen += len(entries)
+            self.token_ids += choice.get("token_ids") or []
             self.text += _text(choice, self.kind)
+            self._advance_offset(choice.get("logprobs"))
         if choice.get("finish_reason") is not None:
             self.finished = True
-        if not self.wants_logprobs:
-            choice.pop("logprobs", None)
-            if not (_text(choice, self.kind) or choice.get("finish_reason") or choice.get("delta", {}).get("role")):
-                return None  # it was sent only for the logprob the router asked for
+        if self.wants_token_ids:
+            return choice
+        choice.pop("token_ids", None)
+        choice.pop("prompt_token_ids", None)
+        if not (_text(choice, self.kind) or choice.get("finish_reason") or choice.get("logprobs")):
+            if not choice.get("delta", {}).get("role"):
+                return None  # it was sent only for the ids the router asked for (text held back)
         return choice
 
-    def _token_id(self, entry: dict[str, Any]) -> int | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.token_id(entry.get("token", ""))
+    def _advance_offset(self, logprobs: dict[str, Any] | None) -> None:
+        if self.kind == "completion" and logprobs and logprobs.get("tokens"):
+            self.next_offset = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
 
-    def _usage(self, chunk: dict[str, Any]) -> str | None:
+    def _usage(self, chunk: dict[str, Any]) -> list[str]:
         usage = chunk["usage"]
         if self.continuation is not None:
             usage = self._continued_usage(usage, self.continuation)
@@ -148,7 +222,7 @@ class StreamProgress:
             if self.kind == "chat":
                 chunk["object"] = "chat.completion.chunk"
         self.usage = usage
-        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":")) if self.wants_usage else None
+        return [_dumps(chunk)] if self.wants_usage else []
 
     def _continued_usage(self, usage: dict[str, Any], c: Continuation) -> dict[str, Any]:
         prompt = self.request.num_prompt_tokens
@@ -162,51 +236,44 @@ class StreamProgress:
         }
 
     def final_usage(self) -> str | None:
-        """The usage chunk of a stream cut after its last token, if the client asked for one it did not get."""
+        """The usage chunk of a stream that ended without its upstream's, if the client asked for one."""
         if not self.wants_usage or self.usage is not None:
             return None
-        prompt, completion = self.request.num_prompt_tokens, self.tokens_seen
+        prompt, completion = self.request.num_prompt_tokens, len(self.token_ids)
         usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        chunk = {"id": self.id, "object": obj, "model": self.model, "choices": [], "usage": usage}
-        return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
+        return _dumps({"id": self.id, "object": obj, "model": self.model, "choices": [], "usage": usage})
 
     # continuing elsewhere
 
     def continuation_body(self) -> dict[str, Any]:
-        """The completion that goes on from the last clean boundary; updates what is skipped and kept."""
-        keep, text_len = self._clean_boundary()
-        self.continuation = Continuation(keep, text_len, self.tokens_seen - keep, len(self.text) - text_len)
+        """The completion that goes on after every token generated so far (without a tokenizer: from the start)."""
+        stage = self._text_stage()
+        keep = len(self.token_ids) if stage is not None else 0
+        skip_chars = 0 if stage is not None else len(self.text)
+        offset_base = self.next_offset if stage is not None else 0
+        self.continuation = Continuation(keep, stage, len(self.token_ids) - keep, skip_chars, offset_base)
         self.token_ids = self.token_ids[:keep]
         body = {k: v for k, v in self.request.body.items() if k not in _REPLACED}
+        if stage is not None:
+            body = {k: v for k, v in body.items() if k not in _STOPS}
         max_tokens = self._max_tokens()
-        body["prompt"] = self.request.prompts[0] + list(self.token_ids)
+        body["prompt"] = self.request.prompts[0] + self.token_ids
         body["max_tokens"] = None if max_tokens is None else max_tokens - keep
         if self.request.body.get("min_tokens"):
             body["min_tokens"] = max(0, self.request.body["min_tokens"] - keep)
-        body["logprobs"] = self._logprobs_asked() if self.wants_logprobs else 0
+        if self.wants_logprobs:
+            body["logprobs"] = self._logprobs_asked()
+        body["return_token_ids"] = True
         body["stream"], body["stream_options"] = True, {"include_usage": True}
         return body
 
-    def _clean_boundary(self) -> tuple[int, int]:
-        """The most tokens (and their text length) whose text is exactly a prefix of what the client got,
-        ending on a token that completed its text (not the first byte of a character)."""
-        known = []
-        for t in self.token_ids:
-            if t is None:
-                break
-            known.append(t)
-        if self.tokenizer is None or not known:
-            return 0, 0
-        skip_special = self.request.body.get("skip_special_tokens", True) is not False
-        keep, text_len, at = 0, 0, 0
-        for i, piece in enumerate(self.tokenizer.decoded_texts(known, skip_special)):
-            if not self.text.startswith(piece, at):
-                break
-            at += len(piece)
-            if piece:
-                keep, text_len = i + 1, at
-        return keep, text_len
+    def _text_stage(self) -> TextStage | None:
+        """The replica's text stage after the tokens so far, if the router can decode them as the replica did."""
+        if self.tokenizer is None:
+            return None
+        stage = TextStage.over(self.tokenizer.tokenizer, self.request.body, self.token_ids)
+        return stage if stage.text.startswith(self.text) else None  # else not the replica's tokenizer
 
     def _max_tokens(self) -> int | None:
         body = self.request.body
@@ -220,31 +287,56 @@ class StreamProgress:
             return self.request.body.get("top_logprobs") or 0
         return self.request.body.get("logprobs") or 0
 
-    def _rewrap(self, chunk: dict[str, Any], c: Continuation) -> dict[str, Any]:
-        """A continuation's completion chunk as the client's stream goes on: same id, its format, skips applied."""
+    def _continued(self, chunk: dict[str, Any], c: Continuation) -> list[str]:
+        """A continuation's completion chunk as the client's stream goes on: same id, its format, its text."""
         choices = []
         for choice in chunk.get("choices", []):
-            entries = _entries(choice, "completion")
-            self.token_ids += [self._token_id(e) for e in entries]
-            drop = min(c.skip_tokens, len(entries))
-            c.skip_tokens -= drop
-            self.tokens_seen += len(entries) - drop
-            text = choice.get("text", "")
-            cut = min(c.skip_chars, len(text))
-            c.skip_chars -= cut
-            text = text[cut:]
+            upstream_ids = choice.get("token_ids") or []
+            finish, stop_reason = choice.get("finish_reason"), choice.get("stop_reason")
+            if c.text_stage is not None:
+                ids, text, finish, stop_reason = self._decode(c.text_stage, upstream_ids, finish, stop_reason)
+                drop = 0
+            else:
+                ids, (drop, text) = upstream_ids, _skip(c, len(upstream_ids), choice.get("text", ""))
+            self.token_ids += ids
             self.text += text
-            logprobs = _shift(choice.get("logprobs"), drop, c.text_base) if self.wants_logprobs else None
-            if choice.get("finish_reason") is not None:
-                self.finished = True
-            if text or choice.get("finish_reason") or (logprobs and logprobs["tokens"]):
-                choices.append(self._choice(text, logprobs, choice))
+            self.finished = self.finished or finish is not None
+            logprobs = _shift(choice.get("logprobs"), drop, len(ids), c.offset_base) if self.wants_logprobs else None
+            self._advance_offset(logprobs)
+            new_ids = ids[drop:]
+            if text or finish or (logprobs and logprobs["tokens"]) or (self.wants_token_ids and new_ids):
+                choices.append(self._choice(text, logprobs, new_ids, finish, stop_reason))
         out = {"id": self.id, "object": "text_completion", "created": chunk.get("created"), "model": self.model}
         if self.kind == "chat":
             out["object"] = "chat.completion.chunk"
-        return {**out, "choices": choices}
+        events = [_dumps({**out, "choices": choices})] if choices else []
+        if c.text_stage is not None and c.text_stage.stop_reason is not None:  # the router's stop: the end
+            self.done = True
+            events += [u for u in [self.final_usage()] if u is not None] + ["[DONE]"]
+        return events
 
-    def _choice(self, text: str, logprobs: dict[str, Any] | None, upstream: dict[str, Any]) -> dict[str, Any]:
+    def _decode(
+        self, stage: TextStage, ids: list[int], finish: str | None, stop_reason: int | str | None
+    ) -> tuple[list[int], str, str | None, int | str | None]:
+        """The continuation's tokens through the router's text stage: those used, the new text, how it ended."""
+        used = []
+        for k, t in enumerate(ids):
+            stage.add(t, ends_request=finish is not None and k == len(ids) - 1)
+            used.append(t)
+            if stage.stop_reason is not None:  # a stop string: what follows it is never the client's
+                finish, stop_reason = "stop", stage.stop_reason
+                break
+        released = stage.released(finished=finish is not None)
+        return used, released[len(self.text) :], finish, stop_reason
+
+    def _choice(
+        self,
+        text: str,
+        logprobs: dict[str, Any] | None,
+        token_ids: list[int],
+        finish: str | None,
+        stop_reason: int | str | None,
+    ) -> dict[str, Any]:
         if self.kind == "chat":
             choice: dict[str, Any] = {"index": 0, "delta": {"content": text}}
             if logprobs is not None:
@@ -253,10 +345,17 @@ class StreamProgress:
             choice = {"index": 0, "text": text}
             if logprobs is not None:
                 choice["logprobs"] = logprobs
-        for key in ("finish_reason", "stop_reason"):
-            if upstream.get(key) is not None:
-                choice[key] = upstream[key]
+        if finish is not None:
+            choice["finish_reason"] = finish
+        if stop_reason is not None:
+            choice["stop_reason"] = stop_reason
+        if self.wants_token_ids:
+            choice["token_ids"] = token_ids
         return choice
+
+
+def _dumps(chunk: dict[str, Any]) -> str:
+    return json.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
 
 
 def _text(choice: dict[str, Any], kind: Kind) -> str:
@@ -265,23 +364,24 @@ def _text(choice: dict[str, Any], kind: Kind) -> str:
     return choice.get("text") or ""
 
 
-def _entries(choice: dict[str, Any], kind: Kind) -> list[dict[str, Any]]:
-    """The chunk's tokens as {"token": text} entries, from its logprobs."""
-    logprobs = choice.get("logprobs") or {}
-    if kind == "chat":
-        return logprobs.get("content") or []
-    return [{"token": t} for t in logprobs.get("tokens") or []]
+def _skip(c: Continuation, num_tokens: int, text: str) -> tuple[int, str]:
+    """Without a tokenizer: how many of these tokens, and which text, the client had already (greedy: the same)."""
+    drop = min(c.skip_tokens, num_tokens)
+    cut = min(c.skip_chars, len(text))
+    c.skip_tokens -= drop
+    c.skip_chars -= cut
+    return drop, text[cut:]
 
 
-def _shift(logprobs: dict[str, Any] | None, drop: int, base: int) -> dict[str, Any] | None:
-    """Completions logprobs without their first `drop` tokens, text offsets moved to the client's text."""
+def _shift(logprobs: dict[str, Any] | None, drop: int, end: int, base: int) -> dict[str, Any] | None:
+    """Completions logprobs of tokens [drop, end), text offsets moved to the client's numbering."""
     if logprobs is None:
         return None
     return {
-        "text_offset": [o + base for o in logprobs.get("text_offset", [])[drop:]],
-        "token_logprobs": logprobs.get("token_logprobs", [])[drop:],
-        "tokens": logprobs.get("tokens", [])[drop:],
-        "top_logprobs": logprobs.get("top_logprobs", [])[drop:],
+        "text_offset": [o + base for o in logprobs.get("text_offset", [])[drop:end]],
+        "token_logprobs": logprobs.get("token_logprobs", [])[drop:end],
+        "tokens": logprobs.get("tokens", [])[drop:end],
+        "top_logprobs": logprobs.get("top_logprobs", [])[drop:end],
     }
 
 

@@ -122,7 +122,7 @@ class Proxy:
     ):
         self.replicas, self.policy, self.metrics, self.client = replicas, policy, metrics, client
         self.secret = secret
-        self.tokenizer = tokenizer  # set once discovered; token ids of streamed text, for migration
+        self.tokenizer = tokenizer  # set once discovered; decodes a migrated stream's tokens
 
     def choose(self, request: RoutedRequest, exclude: set[int]) -> Decision | None:
         started = time.perf_counter()
@@ -256,7 +256,7 @@ class Proxy:
             try:
                 data, relay.first = relay.first or await upstream.next(), None
                 upstream.flight.generated += 1
-                out = progress.accept(data)
+                events = progress.accept(data)
             except (StreamCut, httpx.TransportError, ValueError) as e:
                 self._cut(upstream, e)
                 exclude.add(upstream.replica.index)
@@ -274,9 +274,9 @@ class Proxy:
                 continue
             if progress.done:  # before the last yield: the client may close the connection on [DONE]
                 self._stream_finished(upstream, request, progress)
-            if out is not None:
-                yield f"data: {out}\n\n"
-            if progress.done:
+            for event in events:
+                yield f"data: {event}\n\n"
+            if progress.done:  # [DONE], or a stop string the router matched (its upstream is closed then)
                 return
 
     def _cut(self, upstream: Upstream, error: Exception) -> None:

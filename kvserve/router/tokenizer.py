@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -117,8 +117,6 @@ class RouterTokenizer:
     tokenizer: Tokenizer
     chat_template: jinja2.Template | None
     special_tokens: dict[str, str]  # bos_token, eos_token, ... as the template sees them
-    clean_up_spaces: bool = False  # transformers may clean " ." to "." in a decoded token
-    _by_text: dict[str, int] | None = field(default=None, repr=False)
 
     @classmethod
     def from_dir(cls, tokenizer_dir: str | Path) -> RouterTokenizer:
@@ -128,8 +126,7 @@ class RouterTokenizer:
         special = {name: text for name in SPECIAL_TOKEN_NAMES if (text := _token_text(config.get(name))) is not None}
         source = _chat_template_source(path, config)
         template = compile_chat_template(source) if source is not None else None
-        cleanup = bool(config.get("clean_up_tokenization_spaces", False))
-        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), template, special, cleanup)
+        return cls(Tokenizer.from_file(str(path / "tokenizer.json")), template, special)
 
     def encode(self, text: str) -> list[int]:
         """As the replica tokenizes a prompt: no special tokens added."""
@@ -150,30 +147,3 @@ class RouterTokenizer:
         """The text each token adds, as the replica's incremental detokenizer emits it ('' while waiting)."""
         stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         return [stream.step(self.tokenizer, t) or "" for t in token_ids]
-
-    def token_id(self, decoded: str) -> int | None:
-        """The token whose text alone is `decoded` (as logprobs name it), or None if several tokens share it."""
-        if self._by_text is None:
-            self._by_text = self._build_text_map()
-        return self._by_text.get(decoded)
-
-    def _build_text_map(self) -> dict[str, int]:
-        seen: dict[str, int] = {}
-        ambiguous: set[str] = set()
-        for i in range(self.tokenizer.get_vocab_size(with_added_tokens=True)):
-            text = self.tokenizer.decode([i], skip_special_tokens=False)
-            if self.clean_up_spaces:  # then " ." and "." read alike: both become ambiguous, never wrong
-                text = _clean_up_spaces(text)
-            if text in seen:
-                ambiguous.add(text)  # e.g. the byte tokens of a split character all read "\ufffd"
-            seen[text] = i
-        return {t: i for t, i in seen.items() if t not in ambiguous}
-
-
-def _clean_up_spaces(text: str) -> str:
-    """transformers' `clean_up_tokenization`."""
-    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't")):
-        text = text.replace(before, after)
-    for suffix in ("m", "s", "ve", "re"):
-        text = text.replace(f" '{suffix}", f"'{suffix}")
-    return text
