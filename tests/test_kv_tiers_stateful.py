@@ -317,7 +317,7 @@ class TierMachine(RuleBasedStateMachine):
                     continue
             else:
                 assert not self.kv.start_load(req, hit)  # once per admission
-            loaded = self.kv.loaded_blocks(req, hit)
+            hit, loaded = self.kv.loaded_blocks(req, hit)
             plan = self.plans.get(req.seq_id)
             expected = 0
             if plan is not None:

@@ -1,11 +1,13 @@
 """Block K/V between the device pool and the tiers' bytes.
 
 A stored block is [layers, 2 (K, V), block_size, kv_heads, head_dim], contiguous
-(`tiers.namespace.KV_LAYOUT_VERSION`). On a CPU the pool is host memory, so the copies go
-through numpy views of it: a save gathers a batch of blocks with one fancy index per
-layer, a load copies each payload's bytes straight into its block (one copy; torch's
-index ops on bf16 through a staging tensor moved 0.3-1 GB/s). On an accelerator a batch
-travels as one staging tensor and is scattered per layer on the device.
+(`tiers.namespace.KV_LAYOUT_VERSION`); with several KV groups, "layers" are the KV
+tensors (`KVCacheConfig.num_slots`), which hold a block's group's layers. On a CPU the
+pool is host memory, so the copies go through numpy views of it: a save gathers a batch
+of blocks with one fancy index per layer, a load copies each payload's bytes straight
+into its block (one copy; torch's index ops on bf16 through a staging tensor moved 0.3-1
+GB/s). On an accelerator a batch travels as one staging tensor and is scattered per
+layer on the device.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ class KVTransfer:
             batch = [s for s, w in zip(batch, wanted, strict=True) if w]
             if batch:
                 data = self._gather([s.block_id for s in batch])
-                self.store.save([s.block_key for s in batch], _payloads(data), filled)
+                announced = [s.block_key for s in batch if s.group == 0]
+                self.store.save([s.block_key for s in batch], _payloads(data), filled, announced)
 
     def load(self, loads: list[BlockLoad]) -> None:
         if not loads:

@@ -55,15 +55,11 @@ class LLMEngine:
         self.kv_config = kv_cache_config(model, sliding_window_release=not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_blocks()
         kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device, self.kv_config)
-        # several KV groups: no tiers yet (a stored block holds one group's layers; see kv_cache_manager)
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
-        tiers = cache_kind is not None and self.kv_config.num_groups == 1
-        if cache_kind is not None and not tiers:
-            logger.info("KV tiers: off with %d KV groups (not built per group yet)", self.kv_config.num_groups)
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
         try:
-            self.store = make_kv_store(config, model_dir, kv_caches, sink) if tiers else None
+            self.store = make_kv_store(config, model_dir, kv_caches, sink) if cache_kind is not None else None
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
                 self.kv_events.close()

@@ -41,3 +41,9 @@ def extend_keys(
         start = len(keys) * block_size
         parent = keys[-1] if keys else b""
         keys.extend(chain_keys(parent, token_ids[start : num_blocks * block_size], block_size, extra_key))
+
+
+def group_key(key: bytes, group: int) -> bytes:
+    """The key outside the engine of block `key` in KV group `group` (its layers only): the
+    first group's is the chained key itself, so single-group models keep their keys."""
+    return key if group == 0 else hashlib.sha256(b"kv-group" + group.to_bytes(2, "little") + key).digest()

@@ -19,7 +19,8 @@ class KVCacheBlock:
     block_id: int
     ref_cnt: int = 0
     cached: bool = False  # held by the prefix cache: matchable by later requests
-    block_key: bytes | None = None  # its chained key, while the prefix cache holds it as computed here
+    block_key: bytes | None = None  # its key outside the engine (`group_key`), while a prefix cache holds it
+    group: int = 0  # the KV group whose prefix cache holds it
     prev_free: KVCacheBlock | None = field(default=None, repr=False)
     next_free: KVCacheBlock | None = field(default=None, repr=False)
 

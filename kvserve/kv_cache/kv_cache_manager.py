@@ -22,23 +22,27 @@ blocks before the step's forward. Blocks leaving the pool, or filling, are queue
 
 KV groups (`kv_groups.py`; Gemma 3's sliding-window layers): every group after the
 first has its own table per request (`group_tables`) and, with prefix caching, its own
-`HashChainCache`; the first group, full attention, keeps `block_tables`, the configured
-prefix cache, the in-flight registry, the tiers and the KV events. A window group's
-blocks that the window has passed are released at once (their table entries become
-None): a cached one stays matchable until evicted, as in vLLM, so a later request
-sharing the prefix finds the blocks still in its window; an uncached one is free. A
-prefix hit is then the longest one the first group holds whose window every other
-group still holds. With several groups the in-flight registry and the tiers are off
-(their keys and records are per block of one group; not built yet).
+`HashChainCache`; the first group, full attention, keeps `block_tables` and the
+configured prefix cache, and only its blocks are announced as KV events (a router
+matches prefixes by them). A window group's blocks that the window has passed are
+released at once (their table entries become None): a cached one stays matchable until
+evicted, as in vLLM, so a later request sharing the prefix finds the blocks still in its
+window; an uncached one is free. A prefix hit is then the longest one the first group
+holds whose window every other group still holds; it continues through in-flight blocks
+and loaded ones the same way (`_longest_run`). In flight and in the tiers, a group's
+block goes by `group_key`; a load first fetches the first group's run, then the other
+groups' blocks that a query at its end still sees (`WindowLoad`), and keeps the longest
+run every group can serve.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
 
-from kvserve.kv_cache.block_keys import extend_keys
+from kvserve.kv_cache.block_keys import extend_keys, group_key
 from kvserve.kv_cache.block_pool import BlockPool, KVCacheBlock
 from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 from kvserve.kv_cache.group_evictor import GroupedEvictor
@@ -106,6 +110,7 @@ class BlockSave:
     block_key: bytes
     block_id: int
     filled: bool
+    group: int = 0  # its KV group: the first group's blocks alone are announced as events
 
 
 @dataclass(frozen=True)
@@ -114,6 +119,17 @@ class BlockLoad:
 
     block_id: int
     payload: Payload
+
+
+@dataclass
+class WindowLoad:
+    """A load with several KV groups, once the first group's part is over: its blocks from
+    `first_block` to `end`, and where each other group's lookup starts (the first block a
+    query at `end` sees, or the device hit's end); their blocks are the request's load now."""
+
+    first: list[tuple[str, Payload]]
+    starts: list[int]
+    end: int
 
 
 @dataclass
@@ -143,7 +159,7 @@ class KVCacheManager:
         self.group_caches = [HashChainCache(block_size) if prefix_cache else None for _ in self.groups]
         caches = [prefix_cache, *self.group_caches]
         evictor = GroupedEvictor(caches) if prefix_cache is not None and self.groups else prefix_cache
-        self.store = store if prefix_cache is not None and not self.groups else None
+        self.store = store if prefix_cache is not None else None
         self.pool = BlockPool(num_blocks, evictor=evictor, on_evict=self._on_evict)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}  # by KVRequest.seq_id
         self.group_tables: list[dict[int, list[KVCacheBlock | None]]] = [{} for _ in self.groups]
@@ -153,6 +169,7 @@ class KVCacheManager:
         self.num_cow_copies = 0
         self.prefix_stats = PrefixCacheStats()
         self.loads: dict[int, KVLoad] = {}  # by KVRequest.seq_id: lookups in the tiers
+        self.window_loads: dict[int, WindowLoad] = {}  # by KVRequest.seq_id, with several groups
         self.pending_saves: list[BlockSave] = []
         self.pending_loads: list[BlockLoad] = []
         self.events: list[KVCacheEvent] | None = [] if events else None
@@ -170,6 +187,11 @@ class KVCacheManager:
         if group == 0:
             return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
         return [0 if b is None else b.block_id for b in self.group_tables[group - 1].get(request.seq_id, ())]
+
+    def num_held_blocks(self, request: KVRequest) -> int:
+        """Blocks the request's tables hold, in every group."""
+        held = len(self.block_tables.get(request.seq_id, ()))
+        return held + sum(sum(b is not None for b in t.get(request.seq_id, ())) for t in self.group_tables)
 
     def match_prefix(self, request: KVRequest) -> PrefixHit | None:
         """The blocks a request with no blocks yet can start from: cached, then in flight (changes no ref count)."""
@@ -205,7 +227,51 @@ class KVCacheManager:
         blocks = tuple(
             [None] * f + [self.group_caches[g].blocks_by_hash[k] for k in keys[f:n]] for g, f in enumerate(first)
         )
-        return PrefixHit(cached, [], blocks)
+        return self._continue_in_flight(keys, PrefixHit(cached, [], blocks))
+
+    def _continue_in_flight(self, keys: list[bytes], hit: PrefixHit) -> PrefixHit:
+        """A groups' hit continued through blocks in flight, as far as every group has them."""
+        n = hit.num_blocks
+        end = n
+        while end < len(keys) and keys[end] in self.in_flight:
+            end += 1
+        if end == n:
+            return hit
+        starts = self._window_starts(n, end)
+        ends = list(starts)
+        for g in range(len(starts)):
+            while ends[g] < end and group_key(keys[ends[g]], g + 1) in self.in_flight:
+                ends[g] += 1
+        m = self._longest_run(n, end, starts, ends)
+        if m == n:
+            return hit
+        group_blocks = self._window_layout(hit, m)
+        for g, blocks in enumerate(group_blocks):
+            blocks += [self.in_flight[group_key(keys[i], g + 1)] for i in range(len(blocks), m)]
+        return PrefixHit(hit.cached, [self.in_flight[k] for k in keys[n:m]], group_blocks)
+
+    def _window_starts(self, n: int, end: int) -> list[int]:
+        """Per group after the first: the first block past a hit of `n` blocks that a query at `end` sees."""
+        return [max(n, spec.first_needed_block(end * self.block_size, self.block_size)) for spec in self.groups]
+
+    def _longest_run(self, n: int, end: int, starts: list[int], ends: list[int]) -> int:
+        """The longest hit, from `n` up to `end` blocks, that every other group can serve: group g
+        has its device hit's blocks below `n` and blocks [starts[g], ends[g]) past it."""
+        bs = self.block_size
+        for m in range(min(end, *ends), n, -1):
+            if all(max(g.first_needed_block(m * bs, bs), n) >= s for g, s in zip(self.groups, starts, strict=True)):
+                return m
+        return n
+
+    def _window_layout(self, hit: PrefixHit, m: int) -> tuple[list[KVCacheBlock | None], ...]:
+        """The other groups' hit blocks for a hit of `m` blocks: the device hit's that a query at
+        `m` still sees, None before them and up to the first block past the device hit it sees."""
+        n, bs = hit.num_blocks, self.block_size
+        layout = []
+        for spec, blocks in zip(self.groups, hit.group_blocks, strict=True):
+            first = spec.first_needed_block(m * bs, bs)
+            layout.append([b if i >= first else None for i, b in enumerate(blocks)] + [None] * max(0, first - n))
+        return tuple(layout)
 
     def _group_hit(self, g: int, keys: list[bytes], n: int) -> int:
         """The most blocks, up to n, whose prefix group g can continue: it holds every block a
@@ -264,10 +330,11 @@ class KVCacheManager:
                 self.group_tables[g].setdefault(request.seq_id, []).extend(blocks)
         start = request.num_computed_tokens + (hit.num_blocks * self.block_size if hit else 0)
         self._extend_table(table, start, start + num_new_tokens)
-        for tables in self.group_tables:
-            self._extend_table(tables.setdefault(request.seq_id, []), start, start + num_new_tokens)
-        if not self.groups:
-            self._register_in_flight(request, table, start, start + num_new_tokens)
+        self._register_in_flight(request, table, start, start + num_new_tokens)
+        for g, tables in enumerate(self.group_tables, start=1):
+            group_table = tables.setdefault(request.seq_id, [])
+            self._extend_table(group_table, start, start + num_new_tokens)
+            self._register_in_flight(request, group_table, start, start + num_new_tokens, g)
         return True
 
     def _extend_table(self, table: list[KVCacheBlock | None], start: int, end: int) -> None:
@@ -293,20 +360,27 @@ class KVCacheManager:
                 table[:first] = [None] * first
                 self.pool.free_blocks(reversed(passed))
 
-    def _register_in_flight(self, request: KVRequest, table: list[KVCacheBlock], start: int, end: int) -> None:
-        """The blocks tokens [start, end) fill, matchable by requests admitted in the same step."""
+    def _register_in_flight(
+        self, request: KVRequest, table: list[KVCacheBlock | None], start: int, end: int, group: int = 0
+    ) -> None:
+        """The blocks of KV group `group` that tokens [start, end) fill, matchable by requests
+        admitted in the same step."""
         first, last = start // self.block_size, end // self.block_size
         if self.prefix_cache is None or first == last:  # most decodes fill no block
             return
         keys = self._block_keys(request, last)
         for i in range(first, last):
-            if keys[i] not in self.in_flight and not table[i].cached:
-                self.in_flight[keys[i]] = table[i]
+            key = group_key(keys[i], group)
+            if table[i] is not None and key not in self.in_flight and not table[i].cached:  # None: a loaded
+                self.in_flight[key] = table[i]  # run's blocks before the window
 
-    def _drop_in_flight(self, request: KVRequest, table: list[KVCacheBlock], first: int, last: int) -> None:
+    def _drop_in_flight(
+        self, request: KVRequest, table: list[KVCacheBlock | None], first: int, last: int, group: int = 0
+    ) -> None:
         """Forget table[first:last]'s in-flight entries: computed now, or their request freed."""
         for key, block in zip(request.block_keys[first:last], table[first:last], strict=False):
-            if self.in_flight.get(key) is block:
+            key = group_key(key, group)
+            if block is not None and self.in_flight.get(key) is block:
                 del self.in_flight[key]
 
     def _shared_tail(self, table: list[KVCacheBlock | None], start: int) -> int | None:
@@ -373,8 +447,9 @@ class KVCacheManager:
         if full <= done:
             return
         bs, keys = self.block_size, self._block_keys(request, full)
-        for cache, tables in zip(self.group_caches, self.group_tables, strict=True):
+        for g, (cache, tables) in enumerate(zip(self.group_caches, self.group_tables, strict=True), start=1):
             table = tables[request.seq_id]
+            self._drop_in_flight(request, table, done, full, g)
             for i in range(done, full):
                 if table[i] is None:
                     continue
@@ -384,12 +459,14 @@ class KVCacheManager:
                     self.pool.incr_ref([held])
                     self.pool.free_blocks([table[i]])
                     table[i] = held
+                elif held.block_key is None:
+                    self._offer(held, group_key(keys[i], g), g)
 
-    def _offer(self, block: KVCacheBlock, key: bytes) -> None:
+    def _offer(self, block: KVCacheBlock, key: bytes, group: int = 0) -> None:
         """A block this request computed is cached now: the tiers may want it now and on eviction."""
-        block.block_key = key
+        block.block_key, block.group = key, group
         if self.store is not None and self.store.saves_on_fill:
-            self.pending_saves.append(BlockSave(key, block.block_id, filled=True))
+            self.pending_saves.append(BlockSave(key, block.block_id, filled=True, group=group))
 
     def _announce_stored(self, request: KVRequest, indexes: list[int]) -> None:
         """One BlockStored per run of consecutive blocks, with the parent of its first."""
@@ -411,9 +488,10 @@ class KVCacheManager:
             if block.block_key is None:
                 continue
             if self.store is not None and self.store.saves_on_evict:
-                self.pending_saves.append(BlockSave(block.block_key, block.block_id, filled=False))
-            removed.append(block.block_key)
-            block.block_key = None
+                self.pending_saves.append(BlockSave(block.block_key, block.block_id, False, block.group))
+            if block.group == 0:
+                removed.append(block.block_key)
+            block.block_key, block.group = None, 0
         if removed and self.events is not None:
             self.events.append(BlockRemoved(removed))
 
@@ -431,7 +509,9 @@ class KVCacheManager:
 
     def cached_block_saves(self) -> list[BlockSave]:
         """Every cached block, as an eviction would save it (a write-back cache's flush at shutdown)."""
-        return [BlockSave(b.block_key, b.block_id, False) for b in self.pool.blocks if b.cached and b.block_key]
+        return [
+            BlockSave(b.block_key, b.block_id, False, b.group) for b in self.pool.blocks if b.cached and b.block_key
+        ]
 
     # loads from the tiers
 
@@ -446,7 +526,7 @@ class KVCacheManager:
         if load is None:
             return False
         self.loads[request.seq_id] = load
-        return not load.done
+        return not self.load_ready(request)  # with several groups, this may start the other groups' part
 
     def wait_for_load(self, request: KVRequest, until: float) -> bool:
         """Wait until `until` (time.monotonic()) at most for the request's load; True once it is over."""
@@ -458,30 +538,92 @@ class KVCacheManager:
     def load_ready(self, request: KVRequest) -> bool:
         """Its load arrived, failed or timed out (then it computes what it would have loaded)."""
         load = self.loads.get(request.seq_id)
-        if load is None or load.done:
+        if load is None:
             return True
-        if time.monotonic() > load.deadline:
+        if not load.done:
+            if time.monotonic() <= load.deadline:
+                return False
             load.result = []
             self.store.record_timeout()
-            return True
-        return False
+        if self.groups and request.seq_id not in self.window_loads:
+            return not self._start_window_load(request, load)
+        return True
 
-    def loaded_blocks(self, request: KVRequest, hit: PrefixHit | None) -> list[tuple[str, Payload]]:
-        """The loaded blocks that continue the request's device hit now, as (tier, payload)."""
+    def _start_window_load(self, request: KVRequest, load: KVLoad) -> bool:
+        """The first group's part of a load is over: look up the other groups' blocks a query
+        after its run sees, position by position (a miss ends the run for every group after
+        it). True while the request must wait for them."""
+        first = load.payloads()
+        n, end = load.first_block, load.first_block + len(first)
+        starts = self._window_starts(n, end)
+        keys = request.block_keys
+        wanted = [group_key(keys[i], g) for i in range(min(starts), end) for g, s in enumerate(starts, 1) if s <= i]
+        self.window_loads[request.seq_id] = WindowLoad(first, starts, end)
+        window = self.store.start_load(wanted, n) if first and wanted else None
+        self.loads[request.seq_id] = window or KVLoad(n, load.deadline, result=[])
+        return window is not None and not window.done
+
+    def loaded_blocks(
+        self, request: KVRequest, hit: PrefixHit | None
+    ) -> tuple[PrefixHit | None, list[tuple[str, Payload]]]:
+        """The loaded blocks that continue the request's device hit now, as (tier, payload), and
+        the hit to allocate them with (with several groups: their tables laid out for the run)."""
         load = self.loads.get(request.seq_id)
         if load is None:
-            return []
+            return hit, []
         skip = (hit.num_blocks if hit else 0) - load.first_block
-        return load.payloads()[skip:] if skip >= 0 else []  # skip < 0: the blocks it continued were evicted
+        if not self.groups:
+            return hit, load.payloads()[skip:] if skip >= 0 else []  # skip < 0: the blocks it continued were evicted
+        if skip != 0 or hit is None:  # the device hit moved since the lookup: compute instead
+            return hit, []
+        m = self._window_run(request, hit)
+        if m is None:
+            return hit, []
+        loaded = self.window_loads[request.seq_id].first[: m - hit.num_blocks]
+        return dataclasses.replace(hit, group_blocks=self._window_layout(hit, m)), loaded
+
+    def _window_run(self, request: KVRequest, hit: PrefixHit) -> int | None:
+        """The longest loaded run every group can serve past the device hit; None if there is none."""
+        window, n = self.window_loads.get(request.seq_id), hit.num_blocks
+        if window is None or window.end == n:
+            return None
+        ends = [s + len(f) for s, f in zip(window.starts, self._window_found(request, window), strict=True)]
+        m = self._longest_run(n, window.end, window.starts, ends)
+        return None if m == n else m
+
+    def _window_found(self, request: KVRequest, window: WindowLoad) -> list[list[tuple[str, Payload]]]:
+        """Each other group's loaded blocks, from its `starts` on (the lookup went position by position)."""
+        found: list[list[tuple[str, Payload]]] = [[] for _ in self.groups]
+        arrived = iter(self.loads[request.seq_id].payloads())
+        for i in range(min(window.starts), window.end):
+            for g, s in enumerate(window.starts):
+                if s <= i and (item := next(arrived, None)) is not None:
+                    found[g].append(item)
+        return found
 
     def queue_loads(self, request: KVRequest, first_block: int, loaded: list[tuple[str, Payload]]) -> None:
-        """After `allocate_slots` covered them: write the loaded blocks into the table's fresh blocks."""
+        """After `allocate_slots` covered them: write the loaded blocks into the tables' fresh blocks."""
+        if loaded and self.groups:
+            self._queue_window_loads(request, first_block + len(loaded))
         self.loads.pop(request.seq_id, None)
+        self.window_loads.pop(request.seq_id, None)
         table = self.block_tables[request.seq_id]
         for i, (_, payload) in enumerate(loaded, start=first_block):
             self.pending_loads.append(BlockLoad(table[i].block_id, payload))
         if loaded:
             self.store.record_served(loaded)
+
+    def _queue_window_loads(self, request: KVRequest, m: int) -> None:
+        """The other groups' loaded blocks that a query at `m` sees, into their fresh blocks."""
+        window = self.window_loads[request.seq_id]
+        found = self._window_found(request, window)
+        bs = self.block_size
+        for spec, tables, start, items in zip(self.groups, self.group_tables, window.starts, found, strict=True):
+            table = tables[request.seq_id]
+            used = items[max(spec.first_needed_block(m * bs, bs), start) - start : m - start]
+            first = m - len(used)
+            self.pending_loads += [BlockLoad(table[first + k].block_id, p) for k, (_, p) in enumerate(used)]
+            self.store.record_served(used)
 
     def fork(self, parent: KVRequest, child: KVRequest) -> None:
         """The child shares every block of the parent, the partly filled last one too."""
@@ -498,12 +640,15 @@ class KVCacheManager:
 
     def free(self, request: KVRequest) -> None:
         self.loads.pop(request.seq_id, None)
+        self.window_loads.pop(request.seq_id, None)
         self.cached_prefixes.pop(request.seq_id, None)
         table = self.block_tables.pop(request.seq_id, [])
         self._drop_in_flight(request, table, 0, len(table))
         self.pool.free_blocks(reversed(table))  # tail first: evicted before its prefix
-        for tables in self.group_tables:
-            self.pool.free_blocks([b for b in reversed(tables.pop(request.seq_id, [])) if b is not None])
+        for g, tables in enumerate(self.group_tables, start=1):
+            group_table = tables.pop(request.seq_id, [])
+            self._drop_in_flight(request, group_table, 0, len(group_table), g)
+            self.pool.free_blocks([b for b in reversed(group_table) if b is not None])
 
     def check_integrity(self) -> None:
         """The pool's and the prefix cache's invariants, each block's ref count = the tables holding

@@ -239,11 +239,21 @@ class TieredKVStore:
             return [bool(local) or (bool(self.shared) and k not in self._shared_known) for k in keys]
         return [not any(t.contains([k]) for t in self.local) for k in keys]
 
-    def save(self, block_keys: Sequence[bytes], payloads: Sequence[Payload], filled: bool) -> None:
-        """Blocks just filled (`filled`) or just evicted from the device pool."""
+    def save(
+        self,
+        block_keys: Sequence[bytes],
+        payloads: Sequence[Payload],
+        filled: bool,
+        announced: Sequence[bytes] | None = None,
+    ) -> None:
+        """Blocks just filled (`filled`) or just evicted from the device pool; with events,
+        those of `announced` (default: all) are announced as they enter and leave a tier."""
         items = list(zip(self.keys(block_keys), payloads, strict=True))
         # only with events: which block each tier key stands for (a tier key is a one-way digest)
-        names = {k: b for (k, _), b in zip(items, block_keys, strict=True)} if self.events is not None else None
+        names = None
+        if self.events is not None:
+            shown = set(block_keys if announced is None else announced)
+            names = {k: b for (k, _), b in zip(items, block_keys, strict=True) if b in shown}
         if filled:
             if self.write_policy is WritePolicy.WRITE_THROUGH:
                 for tier in self.local:
