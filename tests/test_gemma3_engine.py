@@ -1,7 +1,8 @@
 """Gemma 3 in the engine, on a tiny random checkpoint with a 16-token window (so short
 prompts cross it many times): logits against transformers, and greedy outputs that do not
 depend on chunking, prefix caching (radix and hash), preemption, n > 1 or beam search, or
-on whether window blocks are released (the hybrid KV cache) or every layer keeps them all.
+on whether window blocks are released (the hybrid KV cache) or every layer keeps them all;
+prefixes shared in flight and loaded from the tiers (a restart too) in every KV group.
 """
 
 from __future__ import annotations
@@ -142,8 +143,67 @@ def test_n_samples_and_beams_share_window_blocks(tiny_gemma3_dir, reference_outp
     params = BeamSearchParams(beam_width=3, max_tokens=24)
     hybrid_beams = llm.beam_search([PROMPTS[0]], params)
     full_beams = full.beam_search([PROMPTS[0]], params)
-    got = [(s.tokens, round(s.cum_logprob, 4)) for s in hybrid_beams[0].sequences]
-    assert got == [(s.tokens, round(s.cum_logprob, 4)) for s in full_beams[0].sequences]
+    # the same beams; scores to 1e-4 (a prefix hit computes the prompt's K/V apart from its query)
+    assert [s.tokens for s in hybrid_beams[0].sequences] == [s.tokens for s in full_beams[0].sequences]
+    expected = [s.cum_logprob for s in full_beams[0].sequences]
+    assert [s.cum_logprob for s in hybrid_beams[0].sequences] == pytest.approx(expected, abs=1e-4)
+
+
+def test_requests_sent_together_share_a_prefix_in_flight_in_every_group(tiny_gemma3_dir, reference_outputs):
+    """PROMPTS[1] shares PROMPTS[0]'s first 50 tokens: admitted in the same step, it reads their
+    3 blocks (in every group, the window's) as the other request computes them."""
+    llm = LLM(model=str(tiny_gemma3_dir), dtype="float32", num_kv_blocks=512)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outs] == [r[0] for r in reference_outputs[:2]]
+    assert [o.num_cached_tokens for o in outs] == [0, 48]
+
+
+def test_a_prompt_chunk_too_large_for_the_whole_pool_is_split_to_fit(tiny_gemma3_dir, reference_outputs):
+    """120 tokens in one chunk take 8 blocks in each of the 6 groups, 48 of a 40-block pool,
+    though the request holds at most 10 + 5 x 2 at a time: it is prefilled in two chunks."""
+    llm = LLM(model=str(tiny_gemma3_dir), dtype="float32", num_kv_blocks=40)
+    assert greedy(llm, [PROMPTS[3]]) == [reference_outputs[3]]
+    assert llm.llm_engine.kv.pool.num_used_blocks == 0
+
+
+def _tier(tier: str, tmp_path: Path) -> dict:
+    if tier == "host":
+        return {"kv_host_memory": "64MiB"}
+    return {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_size": "64MiB"}
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_window_groups_come_back_from_a_tier_with_only_their_window(tiny_gemma3_dir, reference_outputs, tmp_path, tier):
+    llm = LLM(model=str(tiny_gemma3_dir), dtype="float32", num_kv_blocks=40, **_tier(tier, tmp_path))
+    store = llm.llm_engine.store
+    assert greedy(llm, [PROMPTS[3]]) == [reference_outputs[3]]
+    greedy(llm, [prompt(120, seed=100 + i) for i in range(3)])  # the small pool evicts every block of the first
+    store.flush()
+    before = store.use[tier].served
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    (out,) = llm.generate([PROMPTS[3]], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == reference_outputs[3][0]
+    assert out.num_cached_tokens == 112  # 7 whole blocks of the 120-token prompt
+    # the full group's 7 blocks, and of each of the 5 window groups only the one a query at 112 still sees
+    assert store.use[tier].served - before == 7 + 5
+
+
+def test_a_restarted_engine_serves_a_gemma_chat_turn_from_disk(tiny_gemma3_dir, tmp_path):
+    kv = _tier("disk", tmp_path)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    first = LLM(model=str(tiny_gemma3_dir), dtype="float32", num_kv_blocks=512, **kv)
+    (turn1,) = first.generate([PROMPTS[3]], params, use_tqdm=False)
+    first.llm_engine.shutdown()  # write-back: what the pool still caches goes to disk now
+    turn2 = PROMPTS[3] + list(turn1.outputs[0].token_ids) + prompt(20, seed=9)
+
+    restarted = LLM(model=str(tiny_gemma3_dir), dtype="float32", num_kv_blocks=512, **kv)
+    (out,) = restarted.generate([turn2], params, use_tqdm=False)
+    cold = LLM(model=str(tiny_gemma3_dir), dtype="float32", enable_prefix_caching=False)
+    (expected,) = cold.generate([turn2], params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected.outputs[0].token_ids
+    assert out.num_cached_tokens == 144  # the 160-token history but its last token (never computed)
+    assert restarted.llm_engine.store.use["disk"].served == 9 + 5
 
 
 def test_window_bench_releases_window_blocks(tiny_gemma3_dir):

@@ -24,6 +24,7 @@ import torch
 
 from kvserve.engine.beam_search import BeamSearch, Hypothesis
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, cdiv
+from kvserve.kv_cache.kv_groups import KVCacheGroupSpec
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 # what a beam's request carries: beams are chosen by the group, never sampled or stopped on their own
@@ -152,15 +153,19 @@ class BeamGroup:
         self.resume_len = None
         return BeamChange(list(self.beams), [], grew=False)
 
-    def blocks_after_admission(self, block_size: int) -> int:
+    def blocks_after_admission(self, kv: KVCacheManager) -> int:
         """Blocks the beams take beyond the leader's own right after it is admitted (an upper
-        bound): each beam's block for its next token (a copy-on-write copy or a new one), and
-        after a preemption, its own tokens past the shared history too."""
+        bound), in every KV group: each beam's block for its next token (a copy-on-write copy
+        or a new one), and after a preemption, its own tokens past the shared history too
+        (in a window group, those its window still sees)."""
+        groups = kv.kv_config.groups if kv.kv_config else (KVCacheGroupSpec(()),)
         if self.resume_len is None:
             last = self.search.num_generated + 1 >= self.search.max_new_tokens
-            return 0 if last else self.width  # the leader's logits end the search: nobody writes again
-        length = len(self.beams[0].prompt_token_ids) + self.search.num_generated
-        return len(self.beams) * (cdiv(length + 1, block_size) - self.resume_len // block_size)
+            return 0 if last else self.width * len(groups)  # the leader's logits end the search: nobody writes again
+        bs, length = kv.block_size, len(self.beams[0].prompt_token_ids) + self.search.num_generated
+        shared = self.resume_len // bs
+        own = sum(cdiv(length + 1, bs) - max(shared, g.first_needed_block(length, bs)) for g in groups)
+        return len(self.beams) * own
 
     def block_ids(self, kv: KVCacheManager) -> set[int]:
         """The blocks the group holds: the union of its live beams' tables."""
