@@ -29,7 +29,8 @@ TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of t
 @functools.cache
 def isa(dtype: torch.dtype = torch.bfloat16) -> str:
     """kvserve's small-batch kernel for weights of this dtype: 'amx' or 'avx512_bf16' for bf16,
-    'avx2' for fp32, or '' where it cannot run."""
+    'avx2' for fp32, or '' where it cannot run. KVSERVE_DISABLE_AMX=1 (read once, in
+    csrc/amx.h, for every AMX kernel) turns 'amx' into 'avx512_bf16'."""
     if not available() or dtype not in (torch.bfloat16, torch.float32):
         return ""
     return load().small_batch_linear_isa() if dtype == torch.bfloat16 else small_batch_linear_f32.isa()
