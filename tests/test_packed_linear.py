@@ -40,7 +40,9 @@ def assert_rounding_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "isa"), DTYPES_AND_ISAS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 25, 32, 40, 64])
+# 1-13: every remainder of the dot-product path's 6-row blocks, one block and two; 16-40:
+# AMX's one and two 16-row blocks; 64 and 131: several passes of each
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 17, 25, 32, 40, 64, 131])
 @pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (64, 64, False), (70, 128, True), (9, 5, True)])
 def test_small_batch_kernel_matches_f_linear(dtype, isa: str, rows: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n)
@@ -83,7 +85,7 @@ def test_each_kernel_path_takes_only_its_dtype() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 4, 5, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 13, 17, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(200, 96), (70, 128), (1000, 64)])
 def test_fused_argmax_is_the_argmax_of_the_kernels_own_logits(isa: str, rows: int, n: int, k: int) -> None:
     """Bit for bit torch.max over the bf16 logits the kernel writes; the padding columns
