@@ -9,8 +9,8 @@
 // group is one contiguous stream (the dot-product path prefetches it ahead). A tile is 4
 // groups (64 columns); threads split the tiles (by halves), and all rows of x meet a tile
 // while it sits in L1/L2. With AMX (16 rows per block, two blocks per pass) this beats oneDNN up
-// to ~1,024 rows; with AVX512-BF16 alone, up to ~4 rows, where it beats AMX too. Larger
-// batches (2,048-token prefill steps) stay with oneDNN.
+// to ~1,024 rows; with AVX512-BF16 alone, up to ~192 rows against oneDNN without AMX (and
+// up to ~4 rows it beats AMX too). Larger batches (2,048-token prefill steps) stay with oneDNN.
 //
 // The same loops serve greedy sampling's LM head (small_batch_argmax): each row's argmax
 // is kept as the tiles are computed, so the [rows, vocab] logits are never written,
