@@ -4,6 +4,10 @@ summation order), for every row count and odd sizes."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -36,7 +40,9 @@ def assert_rounding_close(out: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize(("dtype", "isa"), DTYPES_AND_ISAS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 6, 7, 16, 17, 25, 32, 40, 64])
+# 1-13: every remainder of the dot-product path's 6-row blocks, one block and two; 16-40:
+# AMX's one and two 16-row blocks; 64 and 131: several passes of each
+@pytest.mark.parametrize("rows", [*range(1, 14), 16, 17, 25, 32, 40, 64, 131])
 @pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (64, 64, False), (70, 128, True), (9, 5, True)])
 def test_small_batch_kernel_matches_f_linear(dtype, isa: str, rows: int, n: int, k: int, bias: bool) -> None:
     g = torch.Generator().manual_seed(rows * 1000 + n)
@@ -79,7 +85,7 @@ def test_each_kernel_path_takes_only_its_dtype() -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("rows", [1, 4, 5, 17, 33, 64])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 13, 17, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(200, 96), (70, 128), (1000, 64)])
 def test_fused_argmax_is_the_argmax_of_the_kernels_own_logits(isa: str, rows: int, n: int, k: int) -> None:
     """Bit for bit torch.max over the bf16 logits the kernel writes; the padding columns
@@ -141,3 +147,20 @@ def test_packed_linear_fuses_argmax_only_where_its_kernel_runs() -> None:
         layer = PackedLinear(w, None, ISAS[0])
         assert torch.equal(layer.argmax(x), layer(x).float().max(dim=-1).indices)
         assert layer.argmax(torch.randn(SMALL_BATCH_MAX_ROWS[ISAS[0]] + 1, 64).to(torch.bfloat16)) is None
+
+
+@pytest.mark.skipif(small_batch_isa() != "amx", reason="no AMX to turn off")
+def test_kvserve_disable_amx_keeps_every_kernel_off_amx() -> None:
+    """Read once per process, hence a subprocess: the small-batch kernel takes its dot
+    products (and still matches F.linear), and prefill attention is not offered the AMX kernel."""
+    code = (
+        "import torch\n"
+        "from kvserve.kernels import prefill_attention, small_batch_linear as s\n"
+        "w, x = torch.randn(70, 64).bfloat16(), torch.randn(9, 64).bfloat16()\n"
+        "err = (s.SmallBatchWeight(w, None, s.isa())(x).float() - (x.double() @ w.double().T).float()).abs().max()\n"
+        "print(s.isa(), prefill_attention.supports(64), bool(err < 0.1))\n"
+    )
+    env = {**os.environ, "KVSERVE_DISABLE_AMX": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["avx512_bf16", "False", "True"]

@@ -7,7 +7,8 @@ and `load()` here is the one place that loads it. The modules beside this one, o
 `python -m kvserve.kernels.build`, which `make` runs) into the kvserve cache, in a
 folder keyed by the sources, torch version, compiler flags and CPU, so a changed kernel
 or machine rebuilds. If the build fails, `available()` says so once and kvserve uses
-its pure-PyTorch paths. `KVSERVE_CPU_KERNEL=0` turns the kernels off.
+its pure-PyTorch paths. `KVSERVE_CPU_KERNEL=0` turns the kernels off;
+`KVSERVE_DISABLE_AMX=1` keeps them off AMX (`csrc/amx.h`), as on a CPU without it.
 """
 
 from __future__ import annotations

@@ -19,17 +19,22 @@ from kvserve.kernels.build import available, load
 
 # Up to how many rows this kernel beats oneDNN, per ISA (30 SmolLM2 layers, cold
 # weights, ms): with AMX 10 vs 16 at 1-16 rows, 18 vs 23 at 64, 78 vs 93 at 512, 131 vs
-# 160 at 1,024, but 280 vs 184 at 2,048; with AVX512-BF16 dot products alone 9.4 vs 15
-# at 1-4 rows, even at 8; fp32 on AVX2 19 vs 33 at 1 row, 93 vs 128 at 32, 1,446 vs
-# 1,644 at 512, but 3,418 vs 3,036 at 1,024.
-SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 4, "avx2": 512}  # "avx2": the fp32 path
+# 160 at 1,024, but 280 vs 184 at 2,048; fp32 on AVX2 19 vs 33 at 1 row, 93 vs 128 at 32,
+# 1,446 vs 1,644 at 512, but 3,418 vs 3,036 at 1,024. AVX512-BF16 dot products against
+# oneDNN without AMX (its avx512_core_bf16 kernels), both on an AMX Xeon with AMX turned
+# off (KVSERVE_DISABLE_AMX=1 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, tools/bench_linear.py,
+# one thread; not a Zen 4, whose 512-bit operations run at half rate): 22 vs 40 at 1 row,
+# 31 vs 49 at 8, 109 vs 121 at 32, 403 vs 421 at 128, 5% ahead at 192, even at 256 and
+# 1,024: past a few rows both are bound by the same dot products.
+SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 192, "avx2": 512}  # "avx2": the fp32 path
 TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
 
 
 @functools.cache
 def isa(dtype: torch.dtype = torch.bfloat16) -> str:
     """kvserve's small-batch kernel for weights of this dtype: 'amx' or 'avx512_bf16' for bf16,
-    'avx2' for fp32, or '' where it cannot run."""
+    'avx2' for fp32, or '' where it cannot run. KVSERVE_DISABLE_AMX=1 (read once, in
+    csrc/amx.h, for every AMX kernel) turns 'amx' into 'avx512_bf16'."""
     if not available() or dtype not in (torch.bfloat16, torch.float32):
         return ""
     return load().small_batch_linear_isa() if dtype == torch.bfloat16 else small_batch_linear_f32.isa()

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #define KVSERVE_AMX 1
@@ -28,9 +30,15 @@ inline void load_tile_config(const TileConfig& cfg) {
   _tile_loadconfig(&cfg);
 }
 
-// Linux hands out AMX state only to processes that ask (once).
+// Linux hands out AMX state only to processes that ask (once). KVSERVE_DISABLE_AMX=1
+// withholds it from every kernel, which then runs as on a CPU without AMX (Zen 4): the
+// one switch for timing or testing those paths on an AMX host. Read once per process.
 inline bool amx_permitted() {
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  static const bool ok = [] {
+    const char* off = std::getenv("KVSERVE_DISABLE_AMX");
+    if (off && *off && std::strcmp(off, "0") != 0) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+  }();
   return ok;
 }
 
