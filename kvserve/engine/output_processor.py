@@ -12,6 +12,7 @@ from transformers import PreTrainedTokenizerBase
 from kvserve.engine.beam_group import BeamGroup
 from kvserve.engine.request import Request
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvserve.stop_strings import find_stop, holdback
 from kvserve.tokenizer import IncrementalDetokenizer
 
 
@@ -107,7 +108,7 @@ class OutputProcessor:
         if state.stop_at is not None:
             text = text[: state.stop_at]
         elif not req.status.finished:
-            text = text[: len(text) - _holdback(req, text)]
+            text = text[: len(text) - holdback(text, req.sampling_params.stop_strings)]
         logprobs, cumulative = None, None
         if req.sampling_params.logprobs is not None:
             logprobs = [self._decode_logprobs(lp) for lp in req.output_logprobs]
@@ -149,26 +150,10 @@ class OutputProcessor:
 def _match_stop_string(state: SampleState, delta_len: int) -> bool:
     """Look for a stop string ending in the new text; remember where to cut."""
     sp = state.request.sampling_params
-    text = state.detokenizer.text
-    for stop in sp.stop_strings:
-        start = max(0, len(text) - delta_len - len(stop) + 1)
-        at = text.find(stop, start)
-        if at != -1:
-            state.stop_reason = stop
-            state.stop_at = at + len(stop) if sp.include_stop_str_in_output else at
-            return True
-    return False
-
-
-def _holdback(req: Request, text: str) -> int:
-    """While running, keep back a tail that could be the start of a stop string."""
-    longest = 0
-    for stop in req.sampling_params.stop_strings:
-        for k in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:k]):
-                longest = k
-                break
-    return longest
+    found = find_stop(state.detokenizer.text, sp.stop_strings, delta_len, sp.include_stop_str_in_output)
+    if found is not None:
+        state.stop_reason, state.stop_at = found
+    return found is not None
 
 
 def _stop_token(req: Request) -> int | None:

@@ -173,7 +173,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = self._fitting(req, min(req.num_tokens - req.num_computed_tokens, budget))
+            n = self.kv.fitting_tokens(req, min(req.num_tokens - req.num_computed_tokens, budget))
             if n == 0:  # a beam with its logprobs, waiting for its group's others
                 i += 1
                 continue
@@ -201,7 +201,7 @@ class Scheduler:
             hit, loaded = self.kv.loaded_blocks(req, hit)
             cached = (hit.num_blocks if hit else 0) * self.kv.block_size
             computed = cached + len(loaded) * self.kv.block_size  # loads take blocks, not budget
-            n = self._fitting(req, min(req.num_tokens - computed, budget), hit, computed - cached)
+            n = self.kv.fitting_tokens(req, min(req.num_tokens - computed, budget), hit, computed - cached)
             if whole_prompts and n < req.num_tokens - computed:
                 break
             if req.beam is not None and not self._beam_group_fits(req, hit, cached):
@@ -217,19 +217,6 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, n))
             budget -= n
-
-    def _fitting(self, req: Request, n: int, hit: PrefixHit | None = None, loaded: int = 0) -> int:
-        """At most `n` tokens, as many as the whole pool has room for beside the request's own
-        blocks: with several KV groups a chunk takes blocks in every group, so a long prompt
-        chunk may not fit even an empty pool (it would wait, or preempt itself, forever)."""
-        room = self.kv.pool.num_blocks - self.kv.num_held_blocks(req)
-        if n <= 1 or self.kv.blocks_needed(req, loaded + n, hit) <= room:
-            return n
-        lo, hi = 1, n  # the most tokens that fit lies in [lo, hi)
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (mid, hi) if self.kv.blocks_needed(req, loaded + mid, hit) <= room else (lo, mid)
-        return lo
 
     def _beam_group_fits(self, req: Request, hit: PrefixHit | None, cached: int) -> bool:
         """Blocks for the leader's whole prompt (every chunk) and for its beams' next tokens."""

@@ -37,6 +37,7 @@ run every group can serve.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import Counter
@@ -188,10 +189,18 @@ class KVCacheManager:
             return [b.block_id for b in self.block_tables.get(request.seq_id, ())]
         return [0 if b is None else b.block_id for b in self.group_tables[group - 1].get(request.seq_id, ())]
 
-    def num_held_blocks(self, request: KVRequest) -> int:
-        """Blocks the request's tables hold, in every group."""
+    def fitting_tokens(self, request: KVRequest, n: int, hit: PrefixHit | None = None, loaded: int = 0) -> int:
+        """At most `n` new tokens (after `loaded` ones), as many as the whole pool has room for
+        beside the request's own blocks. With several groups a chunk takes blocks in every
+        group, so a long prompt chunk may not fit even an empty pool (it would wait, or preempt
+        itself, forever); with one, a request that fits the pool (checked at admission) fits."""
+        if not self.groups or n <= 1:
+            return n
         held = len(self.block_tables.get(request.seq_id, ()))
-        return held + sum(sum(b is not None for b in t.get(request.seq_id, ())) for t in self.group_tables)
+        held += sum(sum(b is not None for b in t.get(request.seq_id, ())) for t in self.group_tables)
+        room = self.pool.num_blocks - held
+        fits = bisect.bisect_right(range(1, n + 1), room, key=lambda k: self.blocks_needed(request, loaded + k, hit))
+        return max(1, fits)
 
     def match_prefix(self, request: KVRequest) -> PrefixHit | None:
         """The blocks a request with no blocks yet can start from: cached, then in flight (changes no ref count)."""

@@ -36,6 +36,7 @@ from tokenizers.decoders import DecodeStream
 
 from kvserve.router.request import Kind, RoutedRequest
 from kvserve.router.tokenizer import RouterTokenizer
+from kvserve.stop_strings import find_stop, holdback
 
 # completion fields the router sets itself on a continuation; the rest of the body is kept
 _REPLACED = ("messages", "prompt", "max_tokens", "max_completion_tokens", "min_tokens", "logprobs", "top_logprobs")
@@ -104,7 +105,7 @@ class TextStage:
         """The text the replica would have let go by now."""
         if self.stop_at is not None:
             return self.text[: self.stop_at]
-        return self.text if finished else self.text[: len(self.text) - self._holdback()]
+        return self.text if finished else self.text[: len(self.text) - holdback(self.text, self.stops)]
 
     def _decode(self, token_id: int) -> str:
         delta = self.decoder.step(self.tokenizer, token_id) or ""
@@ -113,20 +114,9 @@ class TextStage:
         return delta
 
     def _match(self, delta_len: int) -> None:
-        for stop in self.stops:
-            at = self.text.find(stop, max(0, len(self.text) - delta_len - len(stop) + 1))
-            if at != -1:
-                self.stop_reason, self.stop_at = stop, at + len(stop) if self.include_stop else at
-                return
-
-    def _holdback(self) -> int:
-        longest = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        found = find_stop(self.text, self.stops, delta_len, self.include_stop)
+        if found is not None:
+            self.stop_reason, self.stop_at = found
 
 
 @dataclass
