@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from kvserve.engine.beam_search import BeamSearch
+from kvserve.engine.beam_search import BeamSearch, top_k
 
 VOCAB = 96
 
@@ -150,3 +150,15 @@ def test_the_last_allowed_token_finishes_every_candidate():
 def test_too_small_a_vocabulary_is_an_error():
     with pytest.raises(ValueError, match="more than the vocabulary"):
         BeamSearch(4, 5, [1, 2]).step(torch.zeros(1, 10))
+
+
+@pytest.mark.parametrize("n,k", [(4 * 49152, 8), (2 * 49152 + 17, 6), (16 * 49152, 32), (100, 5)])
+def test_top_k_equals_torch_topk(n, k):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen) * 3 - 10
+    assert [t.tolist() for t in top_k(x, k)] == [t.tolist() for t in torch.topk(x, k)]
+    # the top k all in one column of the kernel's [64, n / 64] view, and at the padded end
+    cols = -(-n // 64)
+    x[torch.arange(k) * cols + 3] = torch.arange(k, dtype=torch.float32)
+    x[-1] = 100.0
+    assert [t.tolist() for t in top_k(x, k)] == [t.tolist() for t in torch.topk(x, k)]

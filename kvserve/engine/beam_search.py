@@ -6,8 +6,8 @@ extends and with which token, and keeps the finished hypotheses. Nothing here kn
 requests or KV blocks (`beam_group.py` maps the steps onto forks and frees).
 
 It follows transformers 5.24.0, `generation/utils.py`, `GenerationMixin._beam_search` (l. 3578)
-for one prompt (batch size 1), op for op, so that scores, -1e9 masks and topk ties come out as
-there:
+for one prompt (batch size 1), op for op, so that scores and -1e9 masks come out as there
+(the candidates' topk is `top_k`, the same but faster):
 - `beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams` candidates per step (l. 3647);
 - the first step has one live beam: transformers' copies 1.. of the prompt start at -1e9
   (l. 3694), so none of their candidates can reach the top k;
@@ -57,6 +57,21 @@ class BeamStep:
     done: bool
 
 
+def top_k(x: torch.Tensor, k: int, rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """`torch.topk(x, k)` of a long 1-D `x`, ~8x faster on the CPU (one beam step's W x vocab
+    candidates took 1 ms there). Seen as [rows, n / rows], each column's max is one fast
+    vectorised reduction; the top k elements lie in the k columns with the largest maxima,
+    so topk runs only over those columns' `rows * k` elements. Among equal values the
+    index chosen may differ from torch.topk's, which does not specify one either."""
+    if x.numel() < 16 * rows * k:
+        return torch.topk(x, k)
+    pad = -x.numel() % rows
+    grid = (torch.nn.functional.pad(x, (0, pad), value=float("-inf")) if pad else x).view(rows, -1)
+    cols = torch.topk(grid.amax(dim=0), k).indices
+    values, at = torch.topk(grid[:, cols].reshape(-1), k)
+    return values, (at // k) * grid.shape[1] + cols[at % k]
+
+
 class BeamSearch:
     def __init__(
         self,
@@ -96,7 +111,7 @@ class BeamSearch:
         if vocab < self.beams_to_keep:
             raise ValueError(f"beam search keeps {self.beams_to_keep} candidates, more than the vocabulary ({vocab})")
         accumulated = (logprobs.float().cpu() + self.running_scores[:, None]).reshape(-1)
-        top_scores, top_indices = torch.topk(accumulated, k=self.beams_to_keep)
+        top_scores, top_indices = top_k(accumulated, self.beams_to_keep)
         parents, tokens = top_indices // vocab, top_indices % vocab
         last_step = self.num_generated + 1 >= self.max_new_tokens
         hits = torch.isin(tokens, self.eos) | last_step  # next_token_hits_stopping_criteria
