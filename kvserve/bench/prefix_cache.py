@@ -679,7 +679,7 @@ def measure_load_bandwidth(
     from kvserve.kv_cache.tiers.redis_tier import RedisTier, redis_key
 
     namespace = engine.store.namespace
-    device = engine.runner.kv_caches[0].device
+    device, copier = engine.runner.kv_caches[0].device, engine.transfer.copier
     capacity = 2 * blocks * (namespace.block_nbytes + 4096)
     tmp = tempfile.mkdtemp(prefix="kvserve-bench-bw-", dir=setup.disk_parent) if mode == "disk" else None
     if mode == "host":
@@ -695,7 +695,7 @@ def measure_load_bandwidth(
             passes = [("disk (cold)", lambda: _drop_page_cache(tier, keys)), ("disk", None)]
         rows = []
         for name, prepare in passes:
-            get_s, copy_s, misses = _best_load_pass(tier, namespace, keys, device, prepare)
+            get_s, copy_s, misses = _best_load_pass(tier, namespace, keys, device, copier, prepare)
             nbytes = (blocks - misses) * namespace.block_nbytes
             in_run = snap if name == mode else None
             loads = sum(in_run.load_seconds.counts) if in_run else None
@@ -741,18 +741,20 @@ def _drop_page_cache(tier, keys: list[bytes]) -> None:
             os.close(fd)
 
 
-def _best_load_pass(tier, namespace, keys, device, prepare, passes: int = LOAD_PASSES) -> tuple[float, float, int]:
+def _best_load_pass(
+    tier, namespace, keys, device, copier, prepare, passes: int = LOAD_PASSES
+) -> tuple[float, float, int]:
     """The fastest of `passes` passes (each after `prepare()`, if given): what the tier can do
     when nothing else on the host gets in its way."""
     timings = []
     for _ in range(passes):
         if prepare is not None:
             prepare()
-        timings.append(_load_pass(tier, namespace, keys, device))
+        timings.append(_load_pass(tier, namespace, keys, device, copier))
     return min(timings, key=lambda t: t[0] + t[1])
 
 
-def _load_pass(tier, namespace, keys: list[bytes], device) -> tuple[float, float, int]:
+def _load_pass(tier, namespace, keys: list[bytes], device, copier) -> tuple[float, float, int]:
     """Read `keys` back, LOAD_BATCH_BLOCKS per get, each batch into a pool as the engine does:
     (seconds in get, seconds in KVTransfer.load, blocks missing)."""
     import torch
@@ -764,7 +766,7 @@ def _load_pass(tier, namespace, keys: list[bytes], device) -> tuple[float, float
     dtype = getattr(torch, namespace.kv_dtype)
     shape = (2, LOAD_BATCH_BLOCKS, block_size, heads, head_dim)
     pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-    transfer = KVTransfer(pool, None)  # load() touches only the pool
+    transfer = KVTransfer(pool, None, copier)  # load() touches only the pool
     get_s = copy_s = 0.0
     misses = 0
     for i in range(0, len(keys), LOAD_BATCH_BLOCKS):

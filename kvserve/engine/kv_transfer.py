@@ -2,12 +2,11 @@
 
 A stored block is [layers, 2 (K, V), block_size, kv_heads, head_dim], contiguous
 (`tiers.namespace.KV_LAYOUT_VERSION`); with several KV groups, "layers" are the KV
-tensors (`KVCacheConfig.num_slots`), which hold a block's group's layers. On a CPU the
-pool is host memory, so the copies go through numpy views of it: a save gathers a batch
-of blocks with one fancy index per layer, a load copies each payload's bytes straight
-into its block (one copy; torch's index ops on bf16 through a staging tensor moved 0.3-1
-GB/s). On an accelerator a batch travels as one staging tensor and is scattered per
-layer on the device.
+tensors (`KVCacheConfig.num_slots`), which hold a block's group's layers. Where the pool
+is host memory and the platform has a kernel for it (`Platform.block_copy`), blocks go
+straight between their bytes and the pool, a memcpy per layer and K/V part. Otherwise a
+batch travels as one staging tensor and is scattered per layer on the device (on a CPU,
+torch's index ops on bf16 move 0.3-1 GB/s that way).
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import torch
 
 from kvserve.kv_cache.kv_cache_manager import BlockLoad, BlockSave
 from kvserve.kv_cache.tiers.store import TieredKVStore
+from kvserve.platforms.interface import HostBlockCopy
 
 
 def block_shape(kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
@@ -25,13 +25,12 @@ def block_shape(kv_caches: list[torch.Tensor]) -> tuple[int, ...]:
 
 
 class KVTransfer:
-    def __init__(self, kv_caches: list[torch.Tensor], store: TieredKVStore):
+    def __init__(self, kv_caches: list[torch.Tensor], store: TieredKVStore | None, copier: HostBlockCopy | None):
         self.kv_caches = kv_caches
         self.store = store
         self.shape = block_shape(kv_caches)
         self.dtype = kv_caches[0].dtype
-        on_cpu = kv_caches[0].device.type == "cpu"
-        self.host_views = [_bytes_view(c) for c in kv_caches] if on_cpu else None  # [2, blocks, bytes]
+        self.copier = copier
 
     def save(self, saves: list[BlockSave]) -> None:
         """Read out the blocks the store wants (before anything overwrites them) and hand them over."""
@@ -49,15 +48,12 @@ class KVTransfer:
     def load(self, loads: list[BlockLoad]) -> None:
         if not loads:
             return
-        if self.host_views is None:
-            self._load_device(loads)
+        if self.copier is not None:
+            self.copier.scatter(self.kv_caches, [x.payload for x in loads], [x.block_id for x in loads])
             return
-        for load in loads:
-            src = np.frombuffer(load.payload, dtype=np.uint8).reshape(len(self.host_views), 2, -1)
-            for layer, view in enumerate(self.host_views):
-                view[:, load.block_id] = src[layer]
+        self._load_staged(loads)
 
-    def _load_device(self, loads: list[BlockLoad]) -> None:
+    def _load_staged(self, loads: list[BlockLoad]) -> None:
         buf = torch.empty((len(loads), *self.shape), dtype=self.dtype)
         raw = buf.view(torch.uint8).numpy().reshape(len(loads), -1)
         for i, load in enumerate(loads):
@@ -69,20 +65,12 @@ class KVTransfer:
 
     def _gather(self, block_ids: list[int]) -> np.ndarray:
         """The blocks' bytes, [n, layers * 2 * block bytes]."""
-        if self.host_views is None:
-            ids = torch.tensor(block_ids, device=self.kv_caches[0].device)
-            per_layer = [cache[:, ids] for cache in self.kv_caches]  # each [2, n, block_size, heads, head_dim]
-            data = torch.stack(per_layer, dim=1).transpose(0, 2).contiguous().cpu()  # [n, layers, 2, ...]
-            return data.view(torch.uint8).numpy().reshape(len(block_ids), -1)
-        ids = np.asarray(block_ids)
-        out = np.empty((len(block_ids), len(self.host_views), *self.host_views[0][:, 0].shape), dtype=np.uint8)
-        for layer, view in enumerate(self.host_views):
-            out[:, layer] = view[:, ids].swapaxes(0, 1)
-        return out.reshape(len(block_ids), -1)
-
-
-def _bytes_view(cache: torch.Tensor) -> np.ndarray:
-    return cache.view(torch.uint8).numpy().reshape(cache.shape[0], cache.shape[1], -1)
+        if self.copier is not None:
+            return self.copier.gather(self.kv_caches, block_ids).numpy()
+        ids = torch.tensor(block_ids, device=self.kv_caches[0].device)
+        per_layer = [cache[:, ids] for cache in self.kv_caches]  # each [2, n, block_size, heads, head_dim]
+        data = torch.stack(per_layer, dim=1).transpose(0, 2).contiguous().cpu()  # [n, layers, 2, ...]
+        return data.view(torch.uint8).numpy().reshape(len(block_ids), -1)
 
 
 def _payloads(data: np.ndarray) -> list[memoryview]:

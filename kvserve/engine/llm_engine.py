@@ -74,7 +74,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
             self.kv,
         )
-        self.transfer = KVTransfer(kv_caches, self.store) if self.store else None
+        self.transfer = KVTransfer(kv_caches, self.store, platform.block_copy()) if self.store else None
         self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()

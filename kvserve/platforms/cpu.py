@@ -3,6 +3,7 @@
 - attention: `CpuPagedAttention` (the paged kernel; on AMX the prefill kernel too) for
   the head dims the kernel is compiled for;
 - element-wise ops: the fused kernels of `kernels/layer_ops` for fp32 and bf16;
+- whole KV blocks to and from the tiers: `kernels/block_copy`;
 - projections: pre-packed for oneDNN where it multiplies the dtype, and for kvserve's
   small-batch kernel where the CPU has a path for it;
 - the C++ layer loop (`kernels/decoder`) where every op of a layer has a kernel and the
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from kvserve.kernels import paged_attention, prefill_attention
+from kvserve.kernels.block_copy import HostBlockCopy
 from kvserve.kernels.build import available
 from kvserve.kernels.decoder import LayerWeights, decoder_layers
 from kvserve.kernels.layer_ops import CpuLayerOps
@@ -42,6 +44,9 @@ class CpuPlatform(Platform):
 
     def layer_ops(self) -> LayerOps:
         return CpuLayerOps() if self._fused_ops() else TorchLayerOps()
+
+    def block_copy(self) -> HostBlockCopy | None:
+        return HostBlockCopy() if available() else None
 
     def _fused_ops(self) -> bool:
         return self.dtype in (torch.float32, torch.bfloat16) and available()

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kvserve.kernels.block_copy import HostBlockCopy
 from kvserve.layers.attention.backend import AttentionBackend, TorchAttention
 from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 
@@ -23,6 +24,11 @@ class Platform:
 
     def layer_ops(self) -> LayerOps:
         return TorchLayerOps()
+
+    def block_copy(self) -> HostBlockCopy | None:
+        """The copier of whole KV blocks between the pool and the tiers' bytes, where the pool
+        is host memory and a kernel does it; None: `KVTransfer` stages them through torch."""
+        return None
 
     def prepare(self, model: nn.Module) -> None:
         """After loading: whatever makes the model faster here without changing its outputs."""

@@ -32,5 +32,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("small_batch_linear_isa() -> str", &kvserve::small_batch_linear_isa);
   m.def("small_batch_linear_f32_isa() -> str", &kvserve::small_batch_linear_f32_isa);
 
+  m.def("scatter_blocks", &kvserve::scatter_blocks);
+  m.def("gather_blocks", &kvserve::gather_blocks);
+
   kvserve::register_decoder_layers(m);
 }

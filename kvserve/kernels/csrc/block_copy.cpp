@@ -1,0 +1,82 @@
+// Whole KV blocks between the pool and the tiers' bytes (host memory on both sides).
+//
+// A stored block is [layers, 2 (K, V), block bytes]: each layer's cache is [2, blocks, ...]
+// with a block's K (and V) contiguous, so one block is 2 x layers copies of a few KB.
+// From Python each such copy cost about as much as the bytes it moved; here they are
+// plain memcpys, blocks spread over the threads.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+namespace kvserve {
+namespace {
+
+// Bytes of one block's K (or V) in every cache, checked to be the same contiguous layout.
+int64_t block_bytes(const std::vector<at::Tensor>& caches) {
+  TORCH_CHECK(!caches.empty(), "block copy: no KV caches");
+  const at::Tensor& first = caches[0];
+  for (const at::Tensor& c : caches) {
+    TORCH_CHECK(c.device().is_cpu() && c.is_contiguous() && c.dim() >= 3 && c.size(0) == 2,
+                "block copy: each cache must be a contiguous CPU tensor [2, blocks, ...]");
+    TORCH_CHECK(c.sizes() == first.sizes() && c.scalar_type() == first.scalar_type(),
+                "block copy: the caches must share a shape and dtype");
+  }
+  return first.stride(1) * static_cast<int64_t>(first.element_size());
+}
+
+std::vector<int64_t> checked_ids(const at::Tensor& block_ids, int64_t num_blocks) {
+  const at::Tensor ids = block_ids.to(at::kLong).contiguous();
+  std::vector<int64_t> out(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
+  for (int64_t id : out) TORCH_CHECK(id >= 0 && id < num_blocks, "block copy: block id ", id, " out of range");
+  return out;
+}
+
+// copy(i, layer, kv, stored, pooled): the bytes of block i's (layer, kv) part in both places.
+template <typename F>
+void for_each_part(const std::vector<at::Tensor>& caches, const std::vector<int64_t>& ids, int64_t bb, F copy) {
+  at::parallel_for(0, static_cast<int64_t>(ids.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      for (size_t layer = 0; layer < caches.size(); ++layer) {
+        auto* base = static_cast<char*>(caches[layer].data_ptr());
+        for (int64_t kv = 0; kv < 2; ++kv) {
+          char* pooled = base + (kv * caches[layer].size(1) + ids[i]) * bb;
+          copy(i, (static_cast<int64_t>(layer) * 2 + kv) * bb, pooled);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void scatter_blocks(std::vector<at::Tensor> caches, std::vector<at::Tensor> payloads, at::Tensor block_ids) {
+  const int64_t bb = block_bytes(caches);
+  const std::vector<int64_t> ids = checked_ids(block_ids, caches[0].size(1));
+  TORCH_CHECK(payloads.size() == ids.size(), "block copy: one payload per block id");
+  const int64_t want = static_cast<int64_t>(caches.size()) * 2 * bb;
+  std::vector<const char*> src(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const at::Tensor& p = payloads[i];
+    TORCH_CHECK(p.device().is_cpu() && p.is_contiguous() && p.nbytes() == static_cast<size_t>(want),
+                "block copy: payload ", i, " has ", p.nbytes(), " bytes, a block has ", want);
+    src[i] = static_cast<const char*>(p.data_ptr());
+  }
+  for_each_part(caches, ids, bb, [&](int64_t i, int64_t at, char* pooled) { std::memcpy(pooled, src[i] + at, bb); });
+}
+
+void gather_blocks(at::Tensor out, std::vector<at::Tensor> caches, at::Tensor block_ids) {
+  const int64_t bb = block_bytes(caches);
+  const std::vector<int64_t> ids = checked_ids(block_ids, caches[0].size(1));
+  const int64_t want = static_cast<int64_t>(caches.size()) * 2 * bb;
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.nbytes() == static_cast<size_t>(want) * ids.size(),
+              "block copy: out must be contiguous, ", want, " bytes per block");
+  auto* dst = static_cast<char*>(out.data_ptr());
+  for_each_part(caches, ids, bb, [&](int64_t i, int64_t at, char* pooled) { std::memcpy(dst + i * want + at, pooled, bb); });
+}
+
+}  // namespace kvserve

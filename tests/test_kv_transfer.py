@@ -1,0 +1,58 @@
+"""KVTransfer's two ways of moving whole blocks, the kernel's memcpys on a CPU pool and the
+staging tensor, give the stored layout [layers, 2, block_size, heads, head_dim] both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.engine.kv_transfer import KVTransfer
+from kvserve.kernels.block_copy import HostBlockCopy
+from kvserve.kernels.build import available
+from kvserve.kv_cache.kv_cache_manager import BlockLoad
+
+COPIERS = [pytest.param(None, id="staged")] + [
+    pytest.param(
+        HostBlockCopy(), id="kernel", marks=pytest.mark.skipif(not available(), reason="CPU kernels did not build")
+    )
+]
+
+
+def pool(layers: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn((2, 12, 4, 3, 16), generator=gen).to(dtype) for _ in range(layers)]
+
+
+def stored(caches: list[torch.Tensor], block: int) -> bytes:
+    """A block as the tiers keep it, built the obvious way."""
+    return torch.stack([c[:, block] for c in caches]).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.mark.parametrize("copier", COPIERS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_out_and_back_in(copier, dtype):
+    caches = pool(5, dtype, 0)
+    ids = [7, 0, 11, 3]
+    gathered = KVTransfer(caches, None, copier)._gather(ids)
+    assert [bytes(row) for row in gathered] == [stored(caches, b) for b in ids]
+
+    target = pool(5, dtype, 1)
+    before = [c.clone() for c in target]
+    KVTransfer(target, None, copier).load([BlockLoad(b, stored(caches, s)) for b, s in [(2, 7), (9, 0), (5, 11)]])
+    for layer, (t, c, old) in enumerate(zip(target, caches, before, strict=True)):
+        for dst, src in [(2, 7), (9, 0), (5, 11)]:
+            assert torch.equal(t[:, dst], c[:, src]), layer
+        others = [b for b in range(12) if b not in (2, 9, 5)]
+        assert torch.equal(t[:, others], old[:, others]), layer
+
+
+@pytest.mark.skipif(not available(), reason="CPU kernels did not build")
+def test_kernel_rejects_a_short_payload_and_a_bad_block_id():
+    caches = pool(2, torch.float32, 0)
+    good = stored(caches, 0)
+    with pytest.raises(RuntimeError, match="payload 0 has"):
+        HostBlockCopy().scatter(caches, [good[:-4]], [1])
+    with pytest.raises(RuntimeError, match="block id 12 out of range"):
+        HostBlockCopy().scatter(caches, [good], [12])
+    with pytest.raises(RuntimeError, match="block id -1 out of range"):
+        HostBlockCopy().gather(caches, [-1])
