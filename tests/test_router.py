@@ -31,9 +31,9 @@ from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.router.index import BlockIndex, SentBlocks
 from kvserve.router.migration import StreamProgress, upstream_body
-from kvserve.router.policy import CacheAware, Decision, score
+from kvserve.router.policy import CacheAware, Decision, make_policy, score
 from kvserve.router.proxy import PATHS
-from kvserve.router.replicas import EVENTS_STALE_AFTER, Replica, ServerInfo, State
+from kvserve.router.replicas import EVENTS_STALE_AFTER, Flight, Replica, ServerInfo, State
 from kvserve.router.request import RoutedRequest
 from kvserve.router.tokenizer import RouterTokenizer
 from kvserve.server.auth import cache_salt
@@ -105,6 +105,22 @@ def test_cache_aware_ties_are_broken_by_load_then_by_chance_never_by_order():
     assert picks == {0, 1, 2}
     loaded = [Decision(r, 0, 10, 10.0, load) for r, load in zip(replicas, (5.0, 1.0, 5.0), strict=True)]
     assert CacheAware().pick(loaded).replica.index == 1
+
+
+def test_overlap_score_weight_keeps_a_chat_on_its_cache_against_held_kv():
+    """Replica 0 caches 4 of the prompt's 6 blocks but runs a request holding 100 tokens more KV than
+    replica 1: at weight 1 (Dynamo's default) the 64 cached tokens are worth less than that, at
+    weight 4 (kvserve's) more."""
+    tokens = list(range(6 * BS + 1))
+    keys = keys_of(tokens)
+    warm, cold = _replica(0, keys[:4]), _replica(1)
+    warm.add_flight(Flight(prompt_tokens=150, uncached_tokens=0, started=True))
+    cold.add_flight(Flight(prompt_tokens=50, uncached_tokens=0, started=True))
+    request = RoutedRequest("completion", {}, "A", None, [tokens], [keys])
+    assert make_policy("cache_aware", 1.0).choose(request, [warm, cold]).replica is cold
+    assert make_policy("cache_aware").choose(request, [warm, cold]).replica is warm
+    with pytest.raises(ValueError, match="kv-overlap-score-weight"):
+        make_policy("cache_aware", 0.0)
 
 
 def test_last_prompt_token_is_never_predicted_cached():

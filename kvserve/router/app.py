@@ -30,6 +30,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.logger import logger
+from kvserve.router.args import KV_OVERLAP_SCORE_WEIGHT
 from kvserve.router.dashboard import router_state
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import make_policy
@@ -75,6 +76,7 @@ class RouterSettings:
     request_timeout: float = 600.0
     max_request_body_size: int = 4 * 2**20
     tokenizer_dir: str | None = None  # default: the replicas' tokenizer_dir
+    prefill_weight: float = KV_OVERLAP_SCORE_WEIGHT
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterSettings:
@@ -87,7 +89,7 @@ class RouterSettings:
         else:
             keys, probe = ApiKeys({}), None
         secret = args.cache_secret.encode() if args.cache_secret else None
-        make_policy(args.policy)  # the name is checked before anything starts
+        make_policy(args.policy, args.kv_overlap_score_weight)  # checked before anything starts
         return cls(
             args.replica,
             args.policy,
@@ -98,6 +100,7 @@ class RouterSettings:
             args.request_timeout,
             args.max_request_body_size,
             args.tokenizer,
+            args.kv_overlap_score_weight,
         )
 
 
@@ -137,7 +140,9 @@ class Router:
         self.replicas.on_discovered.append(self._discovered)
         self.tokenization = Tokenization(remote=self._remote_tokenize, on_fallback=self.metrics.tokenize_fallbacks.inc)
         self._tokenizer_lock = asyncio.Lock()
-        self.proxy = Proxy(self.replicas, make_policy(settings.policy), self.metrics, self.client, self.secret)
+        self.proxy = Proxy(
+            self.replicas, make_policy(settings.policy, settings.prefill_weight), self.metrics, self.client, self.secret
+        )
 
     async def start(self) -> None:
         await self.replicas.start()

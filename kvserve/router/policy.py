@@ -1,8 +1,9 @@
 """Choosing a replica: cache_aware (Dynamo's cost), least_loaded, round_robin.
 
-cache_aware, as Dynamo's KV router weighs it (its `overlap_score_weight` is PREFILL_WEIGHT):
+cache_aware, as Dynamo's KV router weighs it (`--kv-overlap-score-weight`, Dynamo's
+`overlap_score_weight`, is the prefill weight):
 
-    cost = PREFILL_WEIGHT * (uncached prompt tokens here + prefill tokens already queued here)
+    cost = weight * (uncached prompt tokens here + prefill tokens already queued here)
            + tokens of KV held by the requests running here
 
 where a block found in the replica's device pool saves its whole prefill and one found in
@@ -17,12 +18,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from kvserve.router.args import POLICIES
+from kvserve.router.args import KV_OVERLAP_SCORE_WEIGHT, POLICIES
 from kvserve.router.index import usable_blocks
 from kvserve.router.replicas import Replica
 from kvserve.router.request import RoutedRequest
 
-PREFILL_WEIGHT = 1.0  # Dynamo's default overlap_score_weight: a prefill token costs what a held KV token does
 TIER_HIT_SAVING = 0.8  # a block loaded from a tier saves most of its prefill; the copy or read is the rest
 
 
@@ -35,7 +35,9 @@ class Decision:
     load: float
 
 
-def score(replica: Replica, request: RoutedRequest, now: float) -> Decision:
+def score(
+    replica: Replica, request: RoutedRequest, now: float, prefill_weight: float = KV_OVERLAP_SCORE_WEIGHT
+) -> Decision:
     bs = replica.info.block_size if replica.info else 1
     cached, saved = 0, 0.0
     for ids, keys in zip(request.prompts, request.keys, strict=True):
@@ -44,7 +46,7 @@ def score(replica: Replica, request: RoutedRequest, now: float) -> Decision:
         saved += (run.device_blocks + TIER_HIT_SAVING * run.tier_blocks) * bs
     uncached = request.num_prompt_tokens - cached
     load = replica.load_tokens()
-    cost = PREFILL_WEIGHT * (request.num_prompt_tokens - saved + replica.pending_prefill_tokens())
+    cost = prefill_weight * (request.num_prompt_tokens - saved + replica.pending_prefill_tokens())
     cost += replica.active_tokens()
     return Decision(replica, cached, uncached, cost, load)
 
@@ -52,11 +54,14 @@ def score(replica: Replica, request: RoutedRequest, now: float) -> Decision:
 class Policy:
     name = ""
 
+    def __init__(self, prefill_weight: float = KV_OVERLAP_SCORE_WEIGHT) -> None:
+        self.prefill_weight = prefill_weight
+
     def choose(self, request: RoutedRequest, candidates: list[Replica]) -> Decision | None:
         if not candidates:
             return None
         now = time.monotonic()
-        return self.pick([score(r, request, now) for r in candidates])
+        return self.pick([score(r, request, now, self.prefill_weight) for r in candidates])
 
     def pick(self, scored: list[Decision]) -> Decision:
         raise NotImplementedError
@@ -81,7 +86,8 @@ class RoundRobin(Policy):
 
     name = "round_robin"
 
-    def __init__(self) -> None:
+    def __init__(self, prefill_weight: float = KV_OVERLAP_SCORE_WEIGHT) -> None:
+        super().__init__(prefill_weight)
         self._last = -1
 
     def pick(self, scored: list[Decision]) -> Decision:
@@ -91,7 +97,7 @@ class RoundRobin(Policy):
         return chosen
 
 
-def make_policy(name: str) -> Policy:
+def make_policy(name: str, prefill_weight: float = KV_OVERLAP_SCORE_WEIGHT) -> Policy:
     policies: dict[str, type[Policy]] = {
         "cache_aware": CacheAware,
         "least_loaded": LeastLoaded,
@@ -99,4 +105,6 @@ def make_policy(name: str) -> Policy:
     }
     if name not in policies:
         raise ValueError(f"--policy must be one of {', '.join(POLICIES)}, got {name!r}")
-    return policies[name]()
+    if not prefill_weight > 0:
+        raise ValueError(f"--kv-overlap-score-weight must be > 0, got {prefill_weight}")
+    return policies[name](prefill_weight)

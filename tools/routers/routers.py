@@ -66,6 +66,8 @@ class BenchConfig:
     decision_reps: int = 300
     tiers_on: bool = True
     kill: bool = True
+    weights: tuple[float, ...] = ()  # kvserve cache_aware again at each --kv-overlap-score-weight
+    weight_rounds: int = 1  # the weights' runs, alternated, this many times
     kill_after_s: float = 30.0
     run_timeout_s: float = 900.0
     render_only: bool = False
@@ -189,10 +191,10 @@ def start_replicas(sizing: Sizing, tiers: bool, run_dir: Path) -> list[tuple[str
 # --- the routers ----------------------------------------------------------------------------------
 
 
-def router_cmd(policy: str, urls: list[str], port: int, anchors: Path | None) -> list[str]:
+def router_cmd(policy: str, urls: list[str], port: int, anchors: Path | None, extra: list[str]) -> list[str]:
     kind = POLICIES[policy][1]
     if kind == "kvserve":
-        cmd = [sys.executable, "-m", "kvserve", "router", "--policy", policy, "--cache-secret", SECRET]
+        cmd = [sys.executable, "-m", "kvserve", "router", "--policy", policy, "--cache-secret", SECRET, *extra]
         return [*cmd, "--host", "127.0.0.1", "--port", str(port), *(a for u in urls for a in ("--replica", u))]
     if anchors is None:
         raise RuntimeError(f"{policy} needs --anchors or ${ANCHORS_ENV} (where setup.sh routers installed it)")
@@ -207,9 +209,11 @@ def router_cmd(policy: str, urls: list[str], port: int, anchors: Path | None) ->
     return [*head, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *urls, "--policy", "cache_aware"]
 
 
-def start_router(policy: str, urls: list[str], anchors: Path | None, run_dir: Path) -> tuple[str, Proc]:
+def start_router(
+    policy: str, urls: list[str], anchors: Path | None, run_dir: Path, extra: list[str]
+) -> tuple[str, Proc]:
     port = free_port()
-    proc = Proc(f"router {policy}", router_cmd(policy, urls, port, anchors), run_dir / "router.log")
+    proc = Proc(f"router {policy}", router_cmd(policy, urls, port, anchors, extra), run_dir / "router.log")
     proc.start()
     url = f"http://127.0.0.1:{port}"
     wait_http(f"{url}/v1/models", proc, ROUTER_TIMEOUT_S)
@@ -345,7 +349,11 @@ def run_bench(cfg: BenchConfig, url: str, model: str, run_dir: Path, kill: Proc 
     return {"result": result, "killed_at_s": killed_at}
 
 
-def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "") -> dict[str, Any]:
+def weight_variant(weight: float, round_: int) -> str:
+    return f"weight{weight:g}-run{round_ + 1}"
+
+
+def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "", weight: float | None = None) -> dict:
     """Fresh replicas, the policy's router, the added-latency probes, then the benchmark."""
     name = policy + (f"+{variant}" if variant else "")
     run_dir = cfg.work / name
@@ -356,7 +364,8 @@ def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "")
     try:
         replicas = start_replicas(sizing, variant == "tiers", run_dir)
         model = served_model(replicas[0][0])
-        url, router = start_router(policy, [u for u, _ in replicas], cfg.anchors, run_dir)
+        extra = [] if weight is None else ["--kv-overlap-score-weight", f"{weight:g}"]
+        url, router = start_router(policy, [u for u, _ in replicas], cfg.anchors, run_dir, extra)
         if variant != "kill":
             run["added_latency"] = added_latency([u for u, _ in replicas], url, model, cfg.probes)
         got = run_bench(cfg, url, model, run_dir, kill=replicas[1][1] if variant == "kill" else None)
@@ -481,12 +490,13 @@ def run_all(cfg: BenchConfig, argv: list[str]) -> dict[str, Any]:
         "decision": decision_micro(sizing.block_size, cfg.decision_reps),
         "runs": [],
     }
-    jobs = [(p, "") for p in cfg.policies]
-    jobs += [("cache_aware", "tiers")] if cfg.tiers_on else []
-    jobs += [("cache_aware", "kill")] if cfg.kill else []
-    for policy, variant in jobs:
+    jobs: list[tuple[str, str, float | None]] = [(p, "", None) for p in cfg.policies]
+    jobs += [("cache_aware", "tiers", None)] if cfg.tiers_on else []
+    jobs += [("cache_aware", "kill", None)] if cfg.kill else []
+    jobs += [("cache_aware", weight_variant(w, i), w) for i in range(cfg.weight_rounds) for w in cfg.weights]
+    for policy, variant, weight in jobs:
         print(f"routers: {policy} {variant} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
-        report["runs"].append(run_policy(cfg, sizing, policy, variant))
+        report["runs"].append(run_policy(cfg, sizing, policy, variant, weight))
         write_report(report, cfg.out)  # after every run: a long run interrupted still leaves its figures
     report["wall_s"] = time.monotonic() - started
     write_report(report, cfg.out)
@@ -519,6 +529,10 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p.add_argument("--no-tiers-on", action="store_true", help="skip kvserve cache_aware with a host tier")
     p.add_argument("--no-kill", action="store_true", help="skip the run that SIGKILLs a replica")
     p.add_argument("--kill-after", type=float, default=d.kill_after_s, help="seconds into the kill run")
+    p.add_argument(
+        "--weights", default="", help="comma list: kvserve cache_aware again at each --kv-overlap-score-weight"
+    )
+    p.add_argument("--weight-rounds", type=int, default=d.weight_rounds, help="the --weights runs, alternated, N times")
     p.add_argument("--render-only", action="store_true", help="the report again from OUT.json")
     p.add_argument("--decision-only", action="store_true", help="the decision micro-measure again, into OUT.json")
     a = p.parse_args(argv)
@@ -530,6 +544,8 @@ def parse_args(argv: list[str]) -> BenchConfig:
     cfg.working_set_ratio, cfg.probes, cfg.decision_reps = a.working_set_ratio, a.probes, a.decision_reps
     cfg.tiers_on, cfg.kill, cfg.kill_after_s = not a.no_tiers_on, not a.no_kill, a.kill_after
     cfg.render_only, cfg.decision_only = a.render_only, a.decision_only
+    cfg.weights = tuple(float(x) for x in a.weights.split(",") if x.strip())
+    cfg.weight_rounds = a.weight_rounds
     return cfg
 
 
