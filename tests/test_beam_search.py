@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
-from kvserve.engine.beam_search import BeamSearch, top_k
+from kvserve.engine.beam_search import BeamSearch, row_candidates
 
 VOCAB = 96
 
@@ -79,7 +79,7 @@ def our_beam_search(rows, prompt, width, max_new, eos, lp, es):
     steps = 0
     while not search.done:
         logprobs = torch.stack([rows[tuple(prompt + beam)] for beam in search.running_tokens])
-        search.step(logprobs)
+        search.step(*row_candidates(logprobs, search.beams_to_keep))
         steps += 1
     hyps = search.results()
     return [h.token_ids for h in hyps], [h.score for h in hyps], steps
@@ -120,14 +120,17 @@ def test_selection_equals_transformers_bit_for_bit(tiny_hf, common_tokens, width
 def test_finished_hypotheses_and_stopping_on_a_hand_made_example():
     """Two beams, EOS = 0, vocabulary of 8: an EOS candidate ranked below the beam width is
     not kept; early_stopping=True stops once two hypotheses are finished."""
-    lp = torch.log_softmax
     search = BeamSearch(2, max_new_tokens=10, eos_token_ids=[0], length_penalty=1.0, early_stopping=True)
+
+    def lp(logits, dim):
+        return row_candidates(torch.log_softmax(logits, dim), search.beams_to_keep)
+
     # step 1: best tokens 3, 0 (EOS, rank 2 < width: finished, score = logprob / 1), 5
-    step = search.step(lp(torch.tensor([[3.0, -9, -9, 4.0, -9, 2.0, -9, -9]]), -1))
+    step = search.step(*lp(torch.tensor([[3.0, -9, -9, 4.0, -9, 2.0, -9, -9]]), -1))
     assert (step.parents, step.tokens) == ([0, 0], [3, 5])
     assert [h.token_ids for h in search.finished if h] == [[0]]
     # step 2: beam [3] ends with EOS (rank 1): the second finished hypothesis; stop
-    step = search.step(lp(torch.tensor([[5.0, -9, -9, -9, -9, -9, 1, -9], [-9, -9, -9, -9, 2.0, -9, -9, 0]]), -1))
+    step = search.step(*lp(torch.tensor([[5.0, -9, -9, -9, -9, -9, 1, -9], [-9, -9, -9, -9, 2.0, -9, -9, 0]]), -1))
     assert step.done and search.done and search.num_live == 0
     hyps = search.results()
     assert sorted(h.token_ids for h in hyps) == [[0], [3, 0]]
@@ -140,7 +143,8 @@ def test_the_last_allowed_token_finishes_every_candidate():
     search = BeamSearch(3, max_new_tokens=2, eos_token_ids=[], length_penalty=0.0)
     gen = torch.Generator().manual_seed(0)
     while not search.done:
-        search.step(torch.log_softmax(torch.randn(search.num_live, 50, generator=gen), -1))
+        rows = torch.log_softmax(torch.randn(search.num_live, 50, generator=gen), -1)
+        search.step(*row_candidates(rows, search.beams_to_keep))
     hyps = search.results()
     assert len(hyps) == 3 and all(len(h.token_ids) == 2 and not h.eos for h in hyps)
     assert [h.score for h in hyps] == sorted((h.score for h in hyps), reverse=True)
@@ -149,16 +153,16 @@ def test_the_last_allowed_token_finishes_every_candidate():
 
 def test_too_small_a_vocabulary_is_an_error():
     with pytest.raises(ValueError, match="more than the vocabulary"):
-        BeamSearch(4, 5, [1, 2]).step(torch.zeros(1, 10))
+        row_candidates(torch.zeros(1, 10), BeamSearch(4, 5, [1, 2]).beams_to_keep)
 
 
-@pytest.mark.parametrize("n,k", [(4 * 49152, 8), (2 * 49152 + 17, 6), (16 * 49152, 32), (100, 5)])
-def test_top_k_equals_torch_topk(n, k):
-    gen = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=gen) * 3 - 10
-    assert [t.tolist() for t in top_k(x, k)] == [t.tolist() for t in torch.topk(x, k)]
-    # the top k all in one column of the kernel's [64, n / 64] view, and at the padded end
-    cols = -(-n // 64)
-    x[torch.arange(k) * cols + 3] = torch.arange(k, dtype=torch.float32)
-    x[-1] = 100.0
-    assert [t.tolist() for t in top_k(x, k)] == [t.tolist() for t in torch.topk(x, k)]
+@pytest.mark.parametrize("rows,vocab,k", [(4, 49152, 8), (3, 2 * 49152 + 17, 6), (2, 16 * 4096, 32), (5, 100, 5)])
+def test_row_candidates_equal_torch_topk(rows, vocab, k):
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(rows, vocab, generator=gen) * 3 - 10
+    assert [t.tolist() for t in row_candidates(x, k)] == [t.tolist() for t in torch.topk(x, k, dim=-1)]
+    # a row's top k all in one column of the [64, vocab / 64] view, another's at the padded end
+    cols = -(-vocab // 64)
+    x[0, torch.arange(k) * cols + 3] = torch.arange(k, dtype=torch.float32)
+    x[-1, -1] = 100.0
+    assert [t.tolist() for t in row_candidates(x, k)] == [t.tolist() for t in torch.topk(x, k, dim=-1)]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
-from kvserve.engine.beam_search import BeamSearch
+from kvserve.engine.beam_search import BeamSearch, row_candidates
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import SampledToken, Scheduler, SchedulerConfig
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
@@ -42,7 +42,8 @@ def reference(prompt: list[int], params: BeamSearchParams) -> list[tuple[list[in
         params.num_return_sequences,
     )
     while not search.done:
-        search.step(torch.stack([fake_logprobs(prompt + t) for t in search.running_tokens]))
+        rows = torch.stack([fake_logprobs(prompt + t) for t in search.running_tokens])
+        search.step(*row_candidates(rows, search.beams_to_keep))
     return [(h.token_ids, h.score) for h in search.results()]
 
 
@@ -77,8 +78,11 @@ def fake_step(s: Scheduler) -> None:
     for x in out.scheduled:
         if x.samples:
             r = x.request
-            row = fake_logprobs(r.all_token_ids) if r.beam is not None else None
-            sampled[r.seq_id] = SampledToken(-1 if row is not None else 7, beam_logprobs=row)
+            if r.beam is None:
+                sampled[r.seq_id] = SampledToken(7)
+                continue
+            values, tokens = row_candidates(fake_logprobs(r.all_token_ids)[None], r.beam.search.beams_to_keep)
+            sampled[r.seq_id] = SampledToken(-1, beam_candidates=(values[0], tokens[0]))
     sampled |= {child.seq_id: SampledToken(7) for _, child in out.forks}
     s.update_from_output(out, sampled)
 

@@ -2,12 +2,12 @@
 
 Each live beam is a request of its own to the scheduler and the model runner: a block table,
 one decode token per step, batched with everyone else's requests. The model runner gives each
-beam the log-softmax of its last token's logits; once every live beam has its row, `advance`
-runs one `BeamSearch` step and maps it onto the KV cache manager: the first new beam extending
-an old beam takes the old beam's request and block table, every other one forks it (sharing all
-its blocks, the partly filled last one too, which the scheduler copies only when a beam writes
-to it), and old beams nothing extends are freed at once. A group starts as one request, the
-prompt; its first step forks the prompt's blocks into the beams.
+beam its best candidates of the log-softmax of its last token's logits; once every live beam
+has them, `advance` runs one `BeamSearch` step and maps it onto the KV cache manager: the
+first new beam extending an old beam takes the old beam's request and block table, every other
+one forks it (sharing all its blocks, the partly filled last one too, which the scheduler
+copies only when a beam writes to it), and old beams nothing extends are freed at once. A
+group starts as one request, the prompt; its first step forks the prompt's blocks into the beams.
 
 Preemption takes every beam's blocks. The group resumes through one beam, the leader, which
 recomputes the history all live beams share (the prompt and their common output tokens); then
@@ -81,7 +81,7 @@ class BeamGroup:
         )
         self.request = request  # the user's request: outputs, metrics and aborts go by it
         self.beams: list[Beam] = [request]
-        self.rows: dict[int, torch.Tensor] = {}  # by seq_id: this round's logprobs
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by seq_id: this round's candidates
         self.resume_len: int | None = None  # while the leader recomputes the shared history
         self.finished = False
 
@@ -92,11 +92,11 @@ class BeamGroup:
     def results(self) -> list[Hypothesis]:
         return self.search.results()
 
-    def add_logprobs(self, beam: Beam, row: torch.Tensor) -> bool:
-        """A beam's logprobs for its next token; True once the group can advance."""
+    def add_candidates(self, beam: Beam, candidates: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        """A beam's candidates for its next token (logprobs, token ids); True once the group can advance."""
         if self.resume_len is not None:  # the leader computed the shared history (its row is not needed)
             return True
-        self.rows[beam.seq_id] = row
+        self.rows[beam.seq_id] = candidates
         return len(self.rows) == len(self.beams)
 
     def advance(self, kv: KVCacheManager) -> BeamChange:
@@ -104,7 +104,8 @@ class BeamGroup:
 
     def _select(self, kv: KVCacheManager) -> BeamChange:
         old = self.beams
-        step = self.search.step(torch.stack([self.rows.pop(b.seq_id) for b in old]))
+        values, tokens = zip(*(self.rows.pop(b.seq_id) for b in old), strict=True)
+        step = self.search.step(torch.stack(values), torch.stack(tokens))
         if step.done:
             for beam in old:
                 kv.free(beam)

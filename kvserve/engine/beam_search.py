@@ -1,13 +1,15 @@
 """Beam search selection, exactly as Hugging Face transformers does it, over each step's logprobs.
 
-The engine gives `BeamSearch.step` the log_softmax (float32, over the whole vocabulary) of the LM
-head's logits at every live beam's last token; the step says which beam each new live beam
-extends and with which token, and keeps the finished hypotheses. Nothing here knows about
+The engine gives `BeamSearch.step` each live beam's best candidates: `row_candidates` of the
+log_softmax (float32, over the whole vocabulary) of the LM head's logits at its last token
+(only a row's best `beams_to_keep` tokens can be among the step's best `beams_to_keep`, since
+a beam's running score is the same for all its tokens); the step says which beam each new
+live beam extends and with which token, and keeps the finished hypotheses. Nothing here knows about
 requests or KV blocks (`beam_group.py` maps the steps onto forks and frees).
 
 It follows transformers 5.24.0, `generation/utils.py`, `GenerationMixin._beam_search` (l. 3578)
 for one prompt (batch size 1), op for op, so that scores and -1e9 masks come out as there
-(the candidates' topk is `top_k`, the same but faster):
+(its topk over every beam's whole row is a topk over the rows' candidates here):
 - `beams_to_keep = max(2, 1 + n_eos_tokens) * num_beams` candidates per step (l. 3647);
 - the first step has one live beam: transformers' copies 1.. of the prompt start at -1e9
   (l. 3694), so none of their candidates can reach the top k;
@@ -57,19 +59,23 @@ class BeamStep:
     done: bool
 
 
-def top_k(x: torch.Tensor, k: int, rows: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
-    """`torch.topk(x, k)` of a long 1-D `x`, ~8x faster on the CPU (one beam step's W x vocab
-    candidates took 1 ms there). Seen as [rows, n / rows], each column's max is one fast
-    vectorised reduction; the top k elements lie in the k columns with the largest maxima,
-    so topk runs only over those columns' `rows * k` elements. Among equal values the
-    index chosen may differ from torch.topk's, which does not specify one either."""
-    if x.numel() < 16 * rows * k:
-        return torch.topk(x, k)
-    pad = -x.numel() % rows
-    grid = (torch.nn.functional.pad(x, (0, pad), value=float("-inf")) if pad else x).view(rows, -1)
-    cols = torch.topk(grid.amax(dim=0), k).indices
-    values, at = torch.topk(grid[:, cols].reshape(-1), k)
-    return values, (at // k) * grid.shape[1] + cols[at % k]
+def row_candidates(logprobs: torch.Tensor, k: int, lanes: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `k` best (logprobs, token ids), best first: `torch.topk(logprobs, k)`, faster
+    on a long row (on the CPU torch.topk took ~0.2 ms per row of 49,152). Seen as
+    [lanes, vocab / lanes], each column's max is one vectorised reduction; a row's top k lie in
+    its k columns with the largest maxima, so topk runs only over those `lanes * k` values.
+    Among equal values the token chosen may differ from torch.topk's (which specifies none)."""
+    rows, vocab = logprobs.shape
+    if vocab < k:
+        raise ValueError(f"beam search keeps {k} candidates, more than the vocabulary ({vocab})")
+    if vocab < 16 * lanes * k:
+        return torch.topk(logprobs, k, dim=-1)
+    pad = -vocab % lanes
+    x = torch.nn.functional.pad(logprobs, (0, pad), value=float("-inf")) if pad else logprobs
+    grid = x.view(rows, lanes, -1)
+    cols = torch.topk(grid.amax(dim=1), k, dim=-1).indices  # [rows, k]
+    values, at = torch.topk(grid.gather(2, cols[:, None, :].expand(rows, lanes, k)).reshape(rows, -1), k, dim=-1)
+    return values, (at // k) * grid.shape[2] + cols.gather(1, at % k)
 
 
 class BeamSearch:
@@ -104,15 +110,15 @@ class BeamSearch:
     def num_live(self) -> int:
         return 0 if self.done else len(self.running_tokens)
 
-    def step(self, logprobs: torch.Tensor) -> BeamStep:
-        """`logprobs`: [num_live, vocab] float32, row i for live beam i (in this object's order)."""
-        assert not self.done and logprobs.shape[0] == len(self.running_tokens), "one row per live beam"
-        vocab = logprobs.shape[-1]
-        if vocab < self.beams_to_keep:
-            raise ValueError(f"beam search keeps {self.beams_to_keep} candidates, more than the vocabulary ({vocab})")
-        accumulated = (logprobs.float().cpu() + self.running_scores[:, None]).reshape(-1)
-        top_scores, top_indices = top_k(accumulated, self.beams_to_keep)
-        parents, tokens = top_indices // vocab, top_indices % vocab
+    def step(self, values: torch.Tensor, tokens: torch.Tensor) -> BeamStep:
+        """Row i for live beam i (in this object's order): its best candidates, best first, at
+        least `beams_to_keep` of them (`row_candidates`): logprobs [num_live, k] fp32, token ids."""
+        assert not self.done and values.shape[0] == len(self.running_tokens), "one row per live beam"
+        assert values.shape[1] >= self.beams_to_keep, "a row's best beams_to_keep candidates"
+        values, tokens = values[:, : self.beams_to_keep], tokens[:, : self.beams_to_keep]
+        accumulated = (values + self.running_scores[:, None]).reshape(-1)
+        top_scores, top = torch.topk(accumulated, k=self.beams_to_keep)
+        parents, tokens = top // self.beams_to_keep, tokens.reshape(-1)[top]
         last_step = self.num_generated + 1 >= self.max_new_tokens
         hits = torch.isin(tokens, self.eos) | last_step  # next_token_hits_stopping_criteria
         # live beams: the best unfinished candidates (finished ones pushed down by -1e9)

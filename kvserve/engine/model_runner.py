@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
+from kvserve.engine.beam_search import row_candidates
 from kvserve.engine.kv_transfer import KVTransfer
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
@@ -99,8 +100,9 @@ class ModelRunner:
     def _sample_with_beams(
         self, hidden: torch.Tensor, requests: list[Request], rows: list[int], beams: list[int]
     ) -> dict[int, SampledToken]:
-        """Beams get log_softmax over the whole vocabulary in fp32 (as transformers' beam search
-        computes it), from the LM head at their last token; the other requests are sampled."""
+        """Beams get their best candidates of the log_softmax over the whole vocabulary in fp32
+        (as transformers' beam search computes it), from the LM head at their last token; the
+        other requests are sampled."""
         out = {}
         others = [i for i in range(len(requests)) if requests[i].beam is None]
         if others:
@@ -109,8 +111,10 @@ class ModelRunner:
         with record_function("beam_logprobs"):
             logits = self.model.compute_logits(hidden[[rows[i] for i in beams]])
             logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        for i, row in zip(beams, logprobs, strict=True):
-            out[requests[i].seq_id] = SampledToken(-1, beam_logprobs=row)
+            k = max(requests[i].beam.search.beams_to_keep for i in beams)
+            values, tokens = row_candidates(logprobs, k)
+        for j, i in enumerate(beams):
+            out[requests[i].seq_id] = SampledToken(-1, beam_candidates=(values[j], tokens[j]))
         return out
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:

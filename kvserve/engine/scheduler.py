@@ -308,7 +308,7 @@ class Scheduler:
         for req in [s.request for s in out.scheduled if s.samples] + [c for _, c in out.forks]:
             token = sampled[req.seq_id]
             if req.beam is not None:
-                if req.beam.add_logprobs(req, token.beam_logprobs):
+                if req.beam.add_candidates(req, token.beam_candidates):
                     beam_groups[req.beam] = None
                 continue
             req.append_output_token(token.token_id, token.logprobs)

@@ -39,7 +39,8 @@ class Request(Protocol):
 class SampledToken:
     token_id: int
     logprobs: dict[int, Logprob] | None = None  # token id -> Logprob, when the request asked for them
-    beam_logprobs: torch.Tensor | None = None  # a beam (token_id -1): log_softmax over the whole vocab, fp32
+    # a beam (token_id -1): its best candidates (fp32 logprobs, token ids), best first
+    beam_candidates: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class Sampler:
