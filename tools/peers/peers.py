@@ -28,7 +28,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class PeersConfig:
     step_batch_sizes: tuple[int, ...] = (1, 64)  # empty: no `bench step`
     startup_timeout: float = 300.0  # vLLM takes 50-125 s to start on 2 cores
     run_timeout: float = 3600.0
+    repeat: int = 1  # rounds of every engine's runs, the order reversed each round
 
     def __post_init__(self) -> None:
         unknown = set(self.engines) - set(ENGINES)
@@ -83,6 +84,8 @@ class PeersConfig:
             raise ValueError(f"--engines takes a comma-separated subset of {','.join(ENGINES)}, got {self.engines}")
         if self.client_check_runs < 1:
             raise ValueError(f"--client-check-runs must be >= 1, got {self.client_check_runs}")
+        if self.repeat < 1:
+            raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
         if self.client_check_requests < 1:
             raise ValueError(f"--client-check-requests must be >= 1, got {self.client_check_requests}")
         self.anchors = self.anchors or env_path(ANCHORS_ENV)
@@ -275,6 +278,7 @@ class RunRecord:
     seconds: float
     result: dict[str, Any] | None = None
     error: str = ""
+    round: int = 0  # with --repeat: which round (0-based)
 
 
 def log(message: str) -> None:
@@ -507,6 +511,12 @@ def cpu_model(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     return platform.processor() or "unknown CPU"
 
 
+def round_order(engines: list[Engine], i: int) -> list[Engine]:
+    """Round i's order: reversed every other round, so that no engine always runs on a machine
+    the one before it left warm (or busy)."""
+    return engines if i % 2 == 0 else engines[::-1]
+
+
 def run_peers(cfg: PeersConfig) -> dict[str, Any]:
     """Every engine's runs, one at a time; returns the report (as written to peers.json)."""
     cfg.work.mkdir(parents=True, exist_ok=True)
@@ -518,11 +528,16 @@ def run_peers(cfg: PeersConfig) -> dict[str, Any]:
     date = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
     sharegpt = prepare_sharegpt(cfg, engines)
     runs: list[RunRecord] = []
-    for engine in (e for e in engines if e.installed):
-        if not cfg.skip_offline:
-            runs += [run_job(job, cfg.work, cfg.run_timeout) for job in offline_jobs(engine.name, cfg, sharegpt)]
-        if not cfg.skip_serving:
-            runs += serve_engine(engine.name, cfg)
+    for i in range(cfg.repeat):
+        for engine in round_order([e for e in engines if e.installed], i):
+            if cfg.repeat > 1:
+                log(f"round {i + 1} of {cfg.repeat}: {engine.label}")
+            records = []
+            if not cfg.skip_offline:
+                records += [run_job(job, cfg.work, cfg.run_timeout) for job in offline_jobs(engine.name, cfg, sharegpt)]
+            if not cfg.skip_serving:
+                records += serve_engine(engine.name, cfg)
+            runs += [replace(r, round=i) for r in records]
     report = {
         "date": date,
         "machine": {"cpu": cpu_model(), "cores": os.cpu_count()},
@@ -601,6 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--startup-timeout", type=float, default=d["startup_timeout"], help="seconds for a server to answer")
     p.add_argument("--run-timeout", type=float, default=d["run_timeout"], help="seconds for one run")
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=d["repeat"],
+        help="rounds of every engine's runs, the order reversed each round: "
+        "the targets are medians of the rounds' ratios",
+    )
     p.add_argument("--render-only", action="store_true", help="only rewrite peers.md/png from <out>/peers.json")
     return p
 

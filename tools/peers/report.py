@@ -83,8 +83,19 @@ CHART_GROUPS = (
 # --- looking figures up -------------------------------------------------------------------------
 
 
-def successful_results(report: dict[str, Any]) -> Results:
-    return {(r["engine"], r["run"]): r["result"] for r in report["runs"] if r["ok"] and r["result"] is not None}
+def successful_results(report: dict[str, Any], round_: int | None = None) -> Results:
+    """One round's runs (None: every round's, a later one's replacing an earlier one's: the last)."""
+    return {
+        (r["engine"], r["run"]): r["result"]
+        for r in report["runs"]
+        if r["ok"] and r["result"] is not None and round_ in (None, r.get("round", 0))
+    }
+
+
+def rounds(report: dict[str, Any]) -> list[Results]:
+    """Each round's results (`--repeat`), in order; one for a report without rounds."""
+    n = 1 + max((r.get("round", 0) for r in report["runs"]), default=0)
+    return [successful_results(report, i) for i in range(n)]
 
 
 def dig(results: Results, engine: str, run: str, key: str) -> Any:
@@ -107,20 +118,25 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 @dataclass
 class TargetRow:
     target: Target
-    values: dict[str, float | None]  # engine -> figure
-    ratios: dict[str, float | None]  # peer -> kvserve / peer
+    values: dict[str, float | None]  # engine -> figure (the median over rounds)
+    ratios: dict[str, float | None]  # peer -> kvserve / peer (the median of the rounds' ratios)
+    round_ratios: dict[str, list[float | None]]  # peer -> each round's ratio
 
     @property
     def met(self) -> bool | None:
         return self.target.met(self.ratios.get(self.target.peer))
 
 
-def target_rows(results: Results, peers: tuple[str, ...] = PEERS) -> list[TargetRow]:
+def target_rows(results: list[Results], peers: tuple[str, ...] = PEERS) -> list[TargetRow]:
+    """Per round, kvserve's figure over each peer's from the same round (so a machine slower in
+    one round moves both), then the median of those ratios."""
     rows = []
     for target in TARGETS:
-        values = {e: lookup(results, e, target.metric) for e in ("kvserve", *peers)}
-        ratios = {p: ratio(values["kvserve"], values[p]) for p in peers}
-        rows.append(TargetRow(target, values, ratios))
+        per_round = [{e: lookup(r, e, target.metric) for e in ("kvserve", *peers)} for r in results]
+        values = {e: median([v[e] for v in per_round]) for e in ("kvserve", *peers)}
+        round_ratios = {p: [ratio(v["kvserve"], v[p]) for v in per_round] for p in peers}
+        ratios = {p: median(round_ratios[p]) for p in peers}
+        rows.append(TargetRow(target, values, ratios, round_ratios))
     return rows
 
 
@@ -141,7 +157,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     peers = report_peers(report)
     sections = [
         header_lines(report),
-        targets_section(results, peers, report["config"]["concurrency"]),
+        targets_section(rounds(report), peers, report["config"]["concurrency"]),
         offline_section(report, results),
         serving_section(results),
         shared_prefix_section(results),
@@ -192,18 +208,32 @@ def header_lines(report: dict[str, Any]) -> list[str]:
     ]
 
 
-def targets_section(results: Results, peers: tuple[str, ...], concurrency: int) -> list[str]:
+def targets_section(results: list[Results], peers: tuple[str, ...], concurrency: int) -> list[str]:
     header = ["target", "metric", "kvserve", *(LABELS[p] for p in peers)]
     header += [f"kvserve/{LABELS[p]}" for p in peers] + ["goal", "status"]
+    several = len(results) > 1
+    header += [f"each round, kvserve/{LABELS[p]}" for p in peers] if several else []
     rows = []
     for row in target_rows(results, peers):
         metric = row.target.metric
         figures = [metric.format(row.values[e]) for e in ("kvserve", *peers)]
-        ratios = ["-" if row.ratios[p] is None else f"{row.ratios[p]:.2f}x" for p in peers]
+        ratios = [_ratio(row.ratios[p]) for p in peers]
         goal = row.target.goal if row.target.peer in peers else f"{row.target.goal} (not run)"
         name = metric.name if metric.unit in metric.name else f"{metric.name} ({metric.unit})"
-        rows.append([row.target.title.format(c=concurrency), name, *figures, *ratios, goal, status(row.met)])
-    return ["## Targets", "", *table(header, rows)]
+        each = [" / ".join(_ratio(r) for r in row.round_ratios[p]) for p in peers] if several else []
+        rows.append([row.target.title.format(c=concurrency), name, *figures, *ratios, goal, status(row.met), *each])
+    lines = ["## Targets", ""]
+    if several:
+        lines += [
+            f"{len(results)} rounds, the engines' order reversed every other round; figures and ratios are "
+            "medians over the rounds (a ratio is taken within each round); the tables below are the last round's.",
+            "",
+        ]
+    return lines + table(header, rows)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def engines_with(results: Results, run: str) -> list[str]:
