@@ -177,6 +177,12 @@ def _tier(tier: str, tmp_path: Path) -> dict:
 def test_window_groups_come_back_from_a_tier_with_only_their_window(tiny_gemma3_dir, reference_outputs, tmp_path, tier):
     llm = LLM(model=str(tiny_gemma3_dir), dtype="float32", num_kv_blocks=40, **_tier(tier, tmp_path))
     store = llm.llm_engine.store
+    # a stored block holds each KV tensor once, not once per layer sharing it
+    assert (
+        store.namespace.block_shape[0]
+        == llm.llm_engine.kv_config.num_slots
+        < llm.llm_engine.model_config.num_hidden_layers
+    )
     assert greedy(llm, [PROMPTS[3]]) == [reference_outputs[3]]
     greedy(llm, [prompt(120, seed=100 + i) for i in range(3)])  # the small pool evicts every block of the first
     store.flush()

@@ -13,7 +13,7 @@ from torch.profiler import record_function
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
-from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config
+from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config, kv_slots
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
@@ -59,7 +59,7 @@ class LLMEngine:
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
         try:
-            self.store = make_kv_store(config, model_dir, kv_caches, sink) if cache_kind is not None else None
+            self.store = make_kv_store(config, model_dir, kv_slots(kv_caches), sink) if cache_kind is not None else None
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
                 self.kv_events.close()
@@ -74,7 +74,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
             self.kv,
         )
-        self.transfer = KVTransfer(kv_caches, self.store, platform.block_copy()) if self.store else None
+        self.transfer = KVTransfer(kv_slots(kv_caches), self.store, platform.block_copy()) if self.store else None
         self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()

@@ -50,6 +50,12 @@ def allocate_kv_caches(
     return [slots[slot] for _, slot in kv_config.layer_slots()]
 
 
+def kv_slots(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each KV tensor once, in layer order: with KV groups, layers of different groups share one
+    (a block id in it is one group's block), so copying a block copies each tensor once."""
+    return list({id(c): c for c in kv_caches}.values())
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -73,8 +79,7 @@ class ModelRunner:
         layer_keys = [(g, cfg.sliding_window(layer)) for layer, (g, _) in enumerate(config.layer_slots())]
         self.meta_keys = sorted(set(layer_keys), key=lambda k: (k[0], k[1] or 0))
         self.layer_metas = [self.meta_keys.index(k) for k in layer_keys] if len(self.meta_keys) > 1 else None
-        # every tensor once (layers of different groups share one): block copies touch each once
-        self.kv_tensors = list({id(c): c for c in kv_caches}.values())
+        self.kv_tensors = kv_slots(kv_caches)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
