@@ -56,3 +56,17 @@ def test_kernel_rejects_a_short_payload_and_a_bad_block_id():
         HostBlockCopy().scatter(caches, [good], [12])
     with pytest.raises(RuntimeError, match="block id -1 out of range"):
         HostBlockCopy().gather(caches, [-1])
+
+
+@pytest.mark.skipif(not available(), reason="CPU kernels did not build")
+def test_kernel_copies_blocks_within_the_pool():
+    caches = pool(3, torch.bfloat16, 0)
+    before = [c.clone() for c in caches]
+    HostBlockCopy().copy(caches, [1, 4, 9], [0, 5, 2])
+    for c, old in zip(caches, before, strict=True):
+        for src, dst in [(1, 0), (4, 5), (9, 2)]:
+            assert torch.equal(c[:, dst], old[:, src])
+        untouched = [b for b in range(12) if b not in (0, 5, 2)]
+        assert torch.equal(c[:, untouched], old[:, untouched])
+    with pytest.raises(RuntimeError, match="onto itself"):
+        HostBlockCopy().copy(caches, [3], [3])

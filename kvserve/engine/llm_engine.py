@@ -74,8 +74,9 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len, config.prefill_first),
             self.kv,
         )
-        self.transfer = KVTransfer(kv_slots(kv_caches), self.store, platform.block_copy()) if self.store else None
-        self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer)
+        copier = platform.block_copy()
+        self.transfer = KVTransfer(kv_slots(kv_caches), self.store, copier) if self.store else None
+        self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer, copier)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._ids = itertools.count()

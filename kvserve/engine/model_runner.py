@@ -23,6 +23,7 @@ from kvserve.kv_cache.kv_groups import KVCacheConfig
 from kvserve.layers.attention.backend import AttentionMetadata, LayerMetadata, PrefillSeq
 from kvserve.layers.sampler import Sampler
 from kvserve.models.interface import CausalLM
+from kvserve.platforms.interface import HostBlockCopy
 
 
 def kv_cache_config(model: CausalLM, sliding_window_release: bool = True) -> KVCacheConfig:
@@ -64,9 +65,11 @@ class ModelRunner:
         kv_cache_manager: KVCacheManager,
         sampler: Sampler,
         transfer: KVTransfer | None = None,
+        copier: HostBlockCopy | None = None,
     ):
         self.model = model
         self.transfer = transfer  # to and from the KV tiers
+        self.copier = copier  # copy-on-write copies in a CPU pool
         self.kv_caches = kv_caches
         self.kv = kv_cache_manager
         self.block_size = kv_cache_manager.block_size
@@ -145,6 +148,9 @@ class ModelRunner:
 
     def _copy_blocks(self, out: SchedulerOutput) -> None:
         if not out.block_copies:
+            return
+        if self.copier is not None:
+            self.copier.copy(self.kv_tensors, [c.src for c in out.block_copies], [c.dst for c in out.block_copies])
             return
         if self.device.type == "cpu":  # a copy_ per block: indexing dim 1 of the cache is ~40x slower there
             for cache in self.kv_tensors:

@@ -1,6 +1,7 @@
-"""`csrc/block_copy.cpp`: whole KV blocks between a CPU pool and the tiers' bytes, a memcpy
-per block's layer and K/V part, blocks spread over the threads (from Python each such
-copy cost as much as its bytes: 3 GB/s where this moves 4 on one thread and 8.6 on two)."""
+"""`csrc/block_copy.cpp`: whole KV blocks between a CPU pool and the tiers' bytes, and from
+block to block in the pool (copy-on-write), a memcpy per block's layer and K/V part, blocks
+spread over the threads (from Python each such copy cost as much as its bytes: 3 GB/s
+where this moves 4 on one thread and 8.6 on two)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,7 @@ class HostBlockCopy:
         out = torch.empty((len(block_ids), 2 * len(caches) * caches[0][0, 0].nbytes), dtype=torch.uint8)
         load().gather_blocks(out, caches, torch.tensor(block_ids, dtype=torch.long))
         return out
+
+    def copy(self, caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+        """Block `src[i]` onto block `dst[i]` in every cache (each tensor once: `caches` distinct)."""
+        load().copy_blocks(caches, torch.tensor(src, dtype=torch.long), torch.tensor(dst, dtype=torch.long))

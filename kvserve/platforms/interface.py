@@ -26,8 +26,8 @@ class Platform:
         return TorchLayerOps()
 
     def block_copy(self) -> HostBlockCopy | None:
-        """The copier of whole KV blocks between the pool and the tiers' bytes, where the pool
-        is host memory and a kernel does it; None: `KVTransfer` stages them through torch."""
+        """The copier of whole KV blocks, between the pool and the tiers' bytes and within the
+        pool, where the pool is host memory and a kernel does it; None: torch does them."""
         return None
 
     def prepare(self, model: nn.Module) -> None:

@@ -1,4 +1,5 @@
-// Whole KV blocks between the pool and the tiers' bytes (host memory on both sides).
+// Whole KV blocks between the pool and the tiers' bytes, and within the pool (copy-on-write),
+// host memory on both sides.
 //
 // A stored block is [layers, 2 (K, V), block bytes]: each layer's cache is [2, blocks, ...]
 // with a block's K (and V) contiguous, so one block is 2 x layers copies of a few KB.
@@ -77,6 +78,18 @@ void gather_blocks(at::Tensor out, std::vector<at::Tensor> caches, at::Tensor bl
               "block copy: out must be contiguous, ", want, " bytes per block");
   auto* dst = static_cast<char*>(out.data_ptr());
   for_each_part(caches, ids, bb, [&](int64_t i, int64_t at, char* pooled) { std::memcpy(dst + i * want + at, pooled, bb); });
+}
+
+void copy_blocks(std::vector<at::Tensor> caches, at::Tensor src_ids, at::Tensor dst_ids) {
+  const int64_t bb = block_bytes(caches);
+  const std::vector<int64_t> src = checked_ids(src_ids, caches[0].size(1));
+  const std::vector<int64_t> dst = checked_ids(dst_ids, caches[0].size(1));
+  TORCH_CHECK(src.size() == dst.size(), "block copy: as many sources as destinations");
+  for (size_t i = 0; i < src.size(); ++i) TORCH_CHECK(src[i] != dst[i], "block copy: block ", src[i], " onto itself");
+  // the source part lies in the same cache and K or V half as the destination part
+  for_each_part(caches, dst, bb, [&](int64_t i, int64_t, char* pooled) {
+    std::memcpy(pooled, pooled + (src[i] - dst[i]) * bb, bb);
+  });
 }
 
 }  // namespace kvserve

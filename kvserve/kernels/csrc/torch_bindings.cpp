@@ -34,6 +34,7 @@ TORCH_LIBRARY(kvserve, m) {
 
   m.def("scatter_blocks", &kvserve::scatter_blocks);
   m.def("gather_blocks", &kvserve::gather_blocks);
+  m.def("copy_blocks", &kvserve::copy_blocks);
 
   kvserve::register_decoder_layers(m);
 }
