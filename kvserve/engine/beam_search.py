@@ -4,8 +4,8 @@ The engine gives `BeamSearch.step` each live beam's best candidates: `row_candid
 log_softmax (float32, over the whole vocabulary) of the LM head's logits at its last token
 (only a row's best `beams_to_keep` tokens can be among the step's best `beams_to_keep`, since
 a beam's running score is the same for all its tokens); the step says which beam each new
-live beam extends and with which token, and keeps the finished hypotheses. Nothing here knows about
-requests or KV blocks (`beam_group.py` maps the steps onto forks and frees).
+live beam extends and with which token, and keeps the finished hypotheses. Nothing here
+knows about requests or KV blocks (`beam_group.py` maps the steps onto forks and frees).
 
 It follows transformers 5.24.0, `generation/utils.py`, `GenerationMixin._beam_search` (l. 3578)
 for one prompt (batch size 1), op for op, so that scores and -1e9 masks come out as there

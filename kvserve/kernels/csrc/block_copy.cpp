@@ -37,7 +37,8 @@ std::vector<int64_t> checked_ids(const at::Tensor& block_ids, int64_t num_blocks
   return out;
 }
 
-// copy(i, layer, kv, stored, pooled): the bytes of block i's (layer, kv) part in both places.
+// copy(i, at, pooled) for each (layer, K or V) part of block ids[i]: `at`, its byte offset in a
+// stored block; `pooled`, where it lies in that layer's cache.
 template <typename F>
 void for_each_part(const std::vector<at::Tensor>& caches, const std::vector<int64_t>& ids, int64_t bb, F copy) {
   at::parallel_for(0, static_cast<int64_t>(ids.size()), 1, [&](int64_t begin, int64_t end) {
