@@ -7,7 +7,7 @@ import argparse
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 # cache_aware's weight of a prefill token against a token of KV held by a running request.
 # Dynamo's default is 1; with CPU replicas, where prefill is the expensive part, weight 1 moved
-# chats off their cache for a few hundred tokens of load difference, and 4 kept 4-8 points more
+# chats off their cache for a few hundred tokens of load difference, and 4 kept 3-8 points more
 # of the prompt cached in each of five alternated pairs of runs (docs/bench-routers.md).
 KV_OVERLAP_SCORE_WEIGHT = 4.0
 HEALTH_INTERVAL = 0.5  # seconds between checks: a dead replica is noticed within ~1 s, well inside 2 s
