@@ -346,6 +346,7 @@ class Cluster:
     router: Process
     keys: Path
     victim_prompts: list[dict] = field(default_factory=list)  # requests the killed replica served
+    victim: int = 0  # the replica the SIGKILL test killed
 
     def post(self, path: str, body: dict, key: str = "key-a") -> httpx.Response:
         return httpx.post(f"{self.router.url}{path}", json=body, headers=_auth(key), timeout=60)
@@ -682,6 +683,7 @@ def _stream_body(i: int) -> tuple[str, dict]:
 
 @dataclass
 class StreamResult:
+    index: int = -1  # which of the STREAMS
     replica: int = -1
     text: str = ""
     chunks: int = 0
@@ -696,7 +698,7 @@ class StreamResult:
 async def _run_streams(url: str, on_chunk=None) -> list[StreamResult]:
     async def one(client: httpx.AsyncClient, i: int) -> StreamResult:
         path, body = _stream_body(i)
-        result = StreamResult()
+        result = StreamResult(index=i)
         async with client.stream("POST", f"{url}{path}", json=body, headers=_auth("key-a")) as r:
             assert r.status_code == 200, await r.aread()
             result.replica = int(r.headers["x-kvserve-replica"])
@@ -733,21 +735,23 @@ def test_sigkill_of_a_replica_during_64_streams_fails_no_request(cluster, tok):
     reference = asyncio.run(_run_streams(cluster.router.url))
     assert all(r.done and not r.errors and r.usage["completion_tokens"] == MAX_TOKENS for r in reference)
     cluster.settle()
-    victim = 0
     cut_at: dict[int, int] = {}  # stream -> chunks it had when its replica died
     killed: list[float] = []
     dead_after: list[float] = []
 
     def watch() -> None:  # how long the router takes to stop routing to it
-        dead_after.append(_wait_until(lambda: cluster.state()[victim]["state"] == "dead", 2.0, "marked dead"))
+        dead_after.append(_wait_until(lambda: cluster.state()[cluster.victim]["state"] == "dead", 2.0, "marked dead"))
 
     def on_chunk(result: StreamResult) -> None:
-        if not killed and result.replica == victim and result.chunks >= 10:
-            cluster.replicas[victim].proc.send_signal(signal.SIGKILL)
+        # the replica of a sampled stream 10 chunks in (the policy decides where the streams go)
+        if not killed and _sampled(result.index) and result.chunks >= 10:
+            cluster.victim = result.replica
+            cluster.replicas[cluster.victim].proc.send_signal(signal.SIGKILL)
             killed.append(time.monotonic())
             threading.Thread(target=watch, daemon=True).start()
 
     results = asyncio.run(_run_streams(cluster.router.url, on_chunk))
+    victim = cluster.victim
     assert killed, "no stream reached the victim replica"
     _wait_until(lambda: bool(dead_after), 3.0, "the watcher")
     assert dead_after[0] < 2.0
@@ -775,15 +779,16 @@ def test_sigkill_of_a_replica_during_64_streams_fails_no_request(cluster, tok):
 def test_a_replica_restarted_empty_is_indexed_from_scratch(cluster, tiny_model_dir):
     if not cluster.victim_prompts:
         pytest.skip("follows the SIGKILL test")
-    old = cluster.replicas[0]
+    v = cluster.victim
+    old = cluster.replicas[v]
     old.stop()
     tmp = old.log_path.parent
-    restarted = replica_process(tiny_model_dir, tmp, 0, port=old.port, events=old.events)
+    restarted = replica_process(tiny_model_dir, tmp, v, port=old.port, events=old.events)
     restarted.start()
-    cluster.replicas[0] = restarted
+    cluster.replicas[v] = restarted
     restarted.wait_healthy()
-    _wait_until(lambda: cluster.state()[0]["state"] == "healthy", 5, "the restarted replica discovered")
-    state = cluster.state()[0]
+    _wait_until(lambda: cluster.state()[v]["state"] == "healthy", 5, "the restarted replica discovered")
+    state = cluster.state()[v]
     assert state["indexed_blocks"] == {"GPU": 0} and state["sent_blocks"] == 0 and state["events"] == "fresh"
     for path, body in cluster.victim_prompts[:6]:  # cached on it before: now only where migrations went
         whole = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
