@@ -26,6 +26,7 @@ import httpx
 import pytest
 from test_server_common import TINY_ARGS, metrics, write_keys
 
+from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv_cache.prefix_cache import extra_key
@@ -570,7 +571,8 @@ def test_without_the_tokenizer_files_the_replicas_tokenize_and_predictions_still
 
 def _decode(tok: RouterTokenizer, ids: list[int]) -> str:
     """The text of `ids` as a replica's detokenizer writes it (a last half character left out)."""
-    return "".join(tok.decoded_texts(ids, skip_special_tokens=True))
+    detokenizer = IncrementalDetokenizer(tok.tokenizer, skip_special_tokens=True)
+    return "".join(detokenizer.step(t) for t in ids)
 
 
 def _payloads(url: str, path: str, body: dict) -> list[str]:

@@ -15,8 +15,9 @@ import json
 import httpx
 import pytest
 from test_server_common import TINY_ARGS, ServerThread
-from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer
+
+from kvserve.detokenizer import IncrementalDetokenizer
 
 GREEDY = {"temperature": 0, "max_tokens": 12, "ignore_eos": True}
 MESSAGES = [{"role": "user", "content": "Tell me about ids, café 🙂"}]
@@ -36,8 +37,8 @@ def tok(tiny_model_dir):
 
 def decode(tok, ids: list[int]) -> str:
     """The text of `ids` as the detokenizer writes it, a token at a time (a last half character left out)."""
-    stream = DecodeStream(skip_special_tokens=True)
-    return "".join(stream.step(tok.backend_tokenizer, t) or "" for t in ids)
+    detokenizer = IncrementalDetokenizer(tok.backend_tokenizer, skip_special_tokens=True)
+    return "".join(detokenizer.step(t) for t in ids)
 
 
 def chat_prompt_ids(tok) -> list[int]:

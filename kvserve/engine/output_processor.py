@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.engine.beam_group import BeamGroup
 from kvserve.engine.request import Request
 from kvserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvserve.stop_strings import find_stop, holdback
-from kvserve.tokenizer import IncrementalDetokenizer
 
 
 @dataclass
@@ -56,7 +56,7 @@ class OutputProcessor:
 
     def _track(self, group: RequestGroup, req: Request) -> SampleState:
         if req.sample_index not in group.samples:
-            detok = IncrementalDetokenizer(self.tokenizer, req.sampling_params.skip_special_tokens)
+            detok = IncrementalDetokenizer(self.tokenizer.backend_tokenizer, req.sampling_params.skip_special_tokens)
             group.samples[req.sample_index] = SampleState(req, detok)
         return group.samples[req.sample_index]
 

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
+from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.router.request import Kind, RoutedRequest
 from kvserve.router.tokenizer import RouterTokenizer
 from kvserve.stop_strings import find_stop, holdback
@@ -70,16 +70,14 @@ def client_wants_usage(request: RoutedRequest) -> bool:
 
 @dataclass
 class TextStage:
-    """A replica's text stage over one stream's tokens: its detokenizer (`tokenizer.IncrementalDetokenizer`),
-    then stop strings (looked for once `min_tokens` are out, never in the text of the token that ended the
-    request) and the hold-back of a tail that may start one, as `engine/output_processor.py` does."""
+    """A replica's text stage over one stream's tokens: its detokenizer, then stop strings (looked
+    for once `min_tokens` are out, never in the text of the token that ended the request) and the
+    hold-back of a tail that may start one, as `engine/output_processor.py` does."""
 
-    tokenizer: Tokenizer
-    decoder: DecodeStream
+    detokenizer: IncrementalDetokenizer
     stops: list[str]
     include_stop: bool
     min_tokens: int
-    text: str = ""
     num_tokens: int = 0
     stop_reason: str | None = None
     stop_at: int | None = None  # text length to cut at, once a stop string matched
@@ -89,17 +87,23 @@ class TextStage:
         """The stage after `token_ids`, which their replica checked already (no stop string ended them)."""
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else [s for s in stop or [] if isinstance(s, str) and s]
-        decoder = DecodeStream(skip_special_tokens=body.get("skip_special_tokens", True) is not False)
+        detokenizer = IncrementalDetokenizer(tokenizer, body.get("skip_special_tokens", True) is not False)
         min_tokens = body.get("min_tokens") if isinstance(body.get("min_tokens"), int) else 0
-        stage = cls(tokenizer, decoder, stops, body.get("include_stop_str_in_output") is True, min_tokens)
+        stage = cls(detokenizer, stops, body.get("include_stop_str_in_output") is True, min_tokens)
         for t in token_ids:
             stage._decode(t)
         return stage
 
+    @property
+    def text(self) -> str:
+        return self.detokenizer.text
+
     def add(self, token_id: int, ends_request: bool) -> None:
         delta = self._decode(token_id)
         if not ends_request and delta and self.num_tokens >= self.min_tokens:
-            self._match(len(delta))
+            found = find_stop(self.text, self.stops, len(delta), self.include_stop)
+            if found is not None:
+                self.stop_reason, self.stop_at = found
 
     def released(self, finished: bool) -> str:
         """The text the replica would have let go by now."""
@@ -108,15 +112,8 @@ class TextStage:
         return self.text if finished else self.text[: len(self.text) - holdback(self.text, self.stops)]
 
     def _decode(self, token_id: int) -> str:
-        delta = self.decoder.step(self.tokenizer, token_id) or ""
-        self.text += delta
         self.num_tokens += 1
-        return delta
-
-    def _match(self, delta_len: int) -> None:
-        found = find_stop(self.text, self.stops, delta_len, self.include_stop)
-        if found is not None:
-            self.stop_reason, self.stop_at = found
+        return self.detokenizer.step(token_id)
 
 
 @dataclass

@@ -12,7 +12,6 @@ with `add_generation_prompt=True` and encodes without special tokens; so does th
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -22,7 +21,6 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the names templates read (`bos_token` ...)
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -142,8 +140,3 @@ class RouterTokenizer:
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.render_chat(messages))
-
-    def decoded_texts(self, token_ids: Sequence[int], skip_special_tokens: bool) -> list[str]:
-        """The text each token adds, as the replica's incremental detokenizer emits it ('' while waiting)."""
-        stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        return [stream.step(self.tokenizer, t) or "" for t in token_ids]
