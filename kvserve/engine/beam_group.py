@@ -24,7 +24,6 @@ import torch
 
 from kvserve.engine.beam_search import BeamSearch, Hypothesis
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, cdiv
-from kvserve.kv_cache.kv_groups import KVCacheGroupSpec
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 # what a beam's request carries: beams are chosen by the group, never sampled or stopped on their own
@@ -159,13 +158,13 @@ class BeamGroup:
         bound), in every KV group: each beam's block for its next token (a copy-on-write copy
         or a new one), and after a preemption, its own tokens past the shared history too
         (in a window group, those its window still sees)."""
-        groups = kv.kv_config.groups if kv.kv_config else (KVCacheGroupSpec(()),)
         if self.resume_len is None:
             last = self.search.num_generated + 1 >= self.search.max_new_tokens
-            return 0 if last else self.width * len(groups)  # the leader's logits end the search: nobody writes again
+            return 0 if last else self.width * (1 + len(kv.groups))  # the leader's logits end the search
         bs, length = kv.block_size, len(self.beams[0].prompt_token_ids) + self.search.num_generated
-        shared = self.resume_len // bs
-        own = sum(cdiv(length + 1, bs) - max(shared, g.first_needed_block(length, bs)) for g in groups)
+        shared, blocks = self.resume_len // bs, cdiv(length + 1, bs)
+        # the first group keeps all its blocks; a window group only those its window still sees
+        own = blocks - shared + sum(blocks - max(shared, g.first_needed_block(length, bs)) for g in kv.groups)
         return len(self.beams) * own
 
     def block_ids(self, kv: KVCacheManager) -> set[int]:

@@ -55,11 +55,12 @@ class LLMEngine:
         self.kv_config = kv_cache_config(model, sliding_window_release=not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_blocks()
         kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device, self.kv_config)
+        slots = kv_slots(kv_caches)  # each tensor once: what a stored block holds
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
         try:
-            self.store = make_kv_store(config, model_dir, kv_slots(kv_caches), sink) if cache_kind is not None else None
+            self.store = make_kv_store(config, model_dir, slots, sink) if cache_kind is not None else None
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
                 self.kv_events.close()
@@ -75,7 +76,7 @@ class LLMEngine:
             self.kv,
         )
         copier = platform.block_copy()
-        self.transfer = KVTransfer(kv_slots(kv_caches), self.store, copier) if self.store else None
+        self.transfer = KVTransfer(slots, self.store, copier) if self.store else None
         self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer, copier)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
