@@ -13,8 +13,9 @@ import torch
 
 from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
 from kvserve.kernels import build, paged_attention, prefill_attention
+from kvserve.kernels.paged_attention import KernelRows
 from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
-from kvserve.layers.attention.cpu import CpuPagedAttention
+from kvserve.layers.attention.cpu import CpuPagedAttention, kernel_batch
 from kvserve.platforms.cpu import CpuPlatform
 
 BS = 16
@@ -168,20 +169,23 @@ def test_unsupported_head_dim_falls_back():
     assert isinstance(platform.attention_backend(64), CpuPagedAttention)
 
 
-# The AMX prefill kernel (bf16): P is rounded to bf16 before P V, as SDPA's flash kernel
-# does, so it is held to SDPA-in-bf16's bounds against the fp32 reference.
-needs_prefill_kernel = pytest.mark.skipif(
-    not prefill_attention.supports(64), reason="no AMX: the prefill kernel does not run here"
-)
+# The prefill kernel (bf16), on every path this CPU runs (AMX tiles where granted; the
+# AVX512-BF16 dot products wherever that ISA is, an AMX host included): P is rounded to
+# bf16 before P V, as SDPA's flash kernel does, so it is held to SDPA-in-bf16's bounds
+# against the fp32 reference.
+PREFILL_PATHS = prefill_attention.paths()
+needs_prefill_kernel = pytest.mark.skipif(not PREFILL_PATHS, reason="no AVX512-BF16: no prefill kernel here")
+each_prefill_path = pytest.mark.parametrize("path", PREFILL_PATHS)
 CHUNKS = [(0, 2), (0, 40), (30, 10), (50, 37), (1000, 3), (100, 365), (16, 16), (17, 64)]
 
 
 @needs_prefill_kernel
+@each_prefill_path
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])
-def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim):
+def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim, path):
     batch = make_batch([3, 200], CHUNKS, heads, kv_heads, head_dim, torch.bfloat16, seed=5)
-    backend = CpuPagedAttention(prefill_kernel=True)
+    backend = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path)
     out, ref32 = run_both(backend, *batch, reference_dtype=torch.float32)
     plan = batch[-1].backend_state
     assert plan.chunks is not None and not plan.torch_prefills  # every chunk took the kernel
@@ -189,27 +193,32 @@ def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim):
 
 
 @needs_prefill_kernel
+@each_prefill_path
 @pytest.mark.parametrize("chunk", [(500, 32), (0, 70), (37, 5), (300, 1)])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4)])
-def test_prefill_kernel_single_chunk(chunk, heads, kv_heads):
+def test_prefill_kernel_single_chunk(chunk, heads, kv_heads, path):
     """One chunk (a cache hit's turn): too few (sequence, KV head) pairs for the threads, so each
     pair's rows are split into several work items."""
     batch = make_batch([], [chunk], heads, kv_heads, 64, torch.bfloat16, seed=7)
-    out, ref32 = run_both(CpuPagedAttention(prefill_kernel=True), *batch, reference_dtype=torch.float32)
+    backend = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path)
+    out, ref32 = run_both(backend, *batch, reference_dtype=torch.float32)
     torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
 
 
 @needs_prefill_kernel
-def test_prefill_kernel_without_sequences():
+@each_prefill_path
+def test_prefill_kernel_without_sequences(path):
     """A call with no chunks does nothing (splitting rows over zero pairs divided by zero)."""
-    cache = torch.zeros(4, BS, 3, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, BS, 3, 64, dtype=torch.bfloat16)
     q = torch.zeros(0, 9, 64, dtype=torch.bfloat16)
     none = torch.zeros(0, dtype=torch.long)
-    torch.ops.kvserve.prefill_attention(q.clone(), q, cache, cache, none.view(0, 1), none, none, none.int(), 0.125)
+    rows = KernelRows(none.view(0, 1), none, none, none.int())
+    prefill_attention.prefill_attention(q.clone(), q, cache, rows, 0.125, use_amx=path == "amx")
 
 
 @needs_prefill_kernel
-def test_prefill_kernel_ignores_stale_slots():
+@each_prefill_path
+def test_prefill_kernel_ignores_stale_slots(path):
     """Slots past a context may hold anything (NaN from a freed request): never read into the output."""
     q, k, v, kv, meta = make_batch([], [(5, 20), (40, 33)], 9, 3, 64, torch.bfloat16, seed=6)
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), kv.float(), meta)
@@ -219,5 +228,16 @@ def test_prefill_kernel_ignores_stale_slots():
         written[(s.block_table[:, None] * BS + torch.arange(BS)).flatten()[: s.context_len]] = True
     poisoned = kv.clone()
     poisoned.view(2, -1, *kv.shape[3:])[:, ~written] = float("nan")
-    out = CpuPagedAttention(prefill_kernel=True).forward(q, k, v, poisoned, meta)
+    out = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path).forward(q, k, v, poisoned, meta)
     torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+
+
+def test_chunks_split_between_kernels_by_path():
+    """AMX takes every chunk; the dot products only those past max_prefill_queries (the paged
+    kernel keeps the short ones); without a prefill kernel the long ones go to SDPA."""
+    *_, meta = make_batch([7], [(30, 5), (0, 40)], 9, 3, 64, torch.bfloat16)
+    for path, paged, chunks in (("amx", [1], [5, 40]), ("avx512_bf16", [1, 5], [40]), ("", [1, 5], None)):
+        plan = kernel_batch(meta, 16, path)
+        assert plan.paged.query_lens.tolist() == paged
+        assert (plan.chunks and plan.chunks.query_lens.tolist()) == chunks
+        assert [s.query_len for s in plan.torch_prefills] == ([40] if not path else [])

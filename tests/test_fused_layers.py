@@ -1,6 +1,7 @@
 """The C++ layer loop gives exactly what the Python layers give (bf16 and fp32), on every
 kind of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
-batches past the small-batch kernel's row limit (oneDNN)."""
+batches past the small-batch kernel's row limit (oneDNN); in bf16 on each kernel path the
+CPU has (AMX, or the AVX512-BF16 dot products, for matmuls and prefill attention alike)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
-from kvserve.kernels import build
+from kvserve.kernels import build, prefill_attention
 from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 from kvserve.layers import linear
 
@@ -47,12 +48,16 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: bias on q/k/v
 def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, dtype, isa, monkeypatch):
     monkeypatch.setattr(linear, "small_batch_isa", lambda dtype: isa)
-    model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type)
+    if dtype == "bfloat16":  # prefill attention on the same path (the dot products: its tiles' twin)
+        monkeypatch.setattr(prefill_attention, "isa", lambda: isa)
+    # 32-dim heads: the smallest the prefill kernel takes (the tiny model's 16 go to SDPA)
+    model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type, hidden_size=128)
     llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB")
     model = llm.llm_engine.runner.model
     small = model.layers[0].mlp.down_proj.small
     assert model.layer_loop is not None and (small is None) == (isa == "")
     assert small is None or small.use_amx == (isa == "amx")
+    assert dtype == "float32" or model.layer_loop.backend.prefill_kernel == isa
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
 

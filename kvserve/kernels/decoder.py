@@ -47,14 +47,15 @@ def decoder_layers(
     intermediate_size: int,
     eps: float,
     layers: list[LayerWeights],
+    prefill_amx: bool,
 ) -> Any:
     """The loop over these layers, their projections all in the small-batch kernel (up to its
-    row limit) or all in oneDNN."""
+    row limit) or all in oneDNN; `prefill_amx`: prefill chunks on AMX tiles, not dot products."""
     load()  # registers torch.classes.kvserve
     small = layers[0].qkv.small  # None: every projection goes to oneDNN
     loop = torch.classes.kvserve.DecoderLayers(
         num_heads, num_kv_heads, head_dim, intermediate_size, eps,
-        small.max_rows if small else 0, bool(small and small.use_amx),
+        small.max_rows if small else 0, bool(small and small.use_amx), prefill_amx,
     )  # fmt: skip
     no_small = torch.empty(0)
     for layer in layers:

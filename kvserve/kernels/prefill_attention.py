@@ -1,22 +1,44 @@
-"""`csrc/prefill_attention.cpp`: flash attention for prefill chunks of bf16 models on AMX
-tiles, reading the pages in place."""
+"""`csrc/prefill_attention.cpp`: flash attention for prefill chunks of bf16 models, reading
+the pages in place: on AMX tiles, or with AVX512-BF16 dot products where there is no AMX."""
 
 from __future__ import annotations
 
 import torch
 
-from kvserve.kernels.build import available, load
+from kvserve.kernels import small_batch_linear
+from kvserve.kernels.build import load
 from kvserve.kernels.paged_attention import KernelRows
+
+ISAS = ("amx", "avx512_bf16")
+
+
+def isa() -> str:
+    """'amx' or 'avx512_bf16' (the bf16 small-batch kernel's, which says whether Linux grants
+    AMX, or KVSERVE_DISABLE_AMX withholds it), '' where the kernel cannot run."""
+    name = small_batch_linear.isa(torch.bfloat16)
+    return name if name in ISAS else ""
+
+
+def paths() -> list[str]:
+    """Every path this process can run, best first: the dot products run wherever AMX does."""
+    return {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(isa(), [])
 
 
 def supports(head_dim: int) -> bool:
-    """AMX only (the bf16 small-batch kernel says whether Linux grants it); head dims that
-    are multiples of 32 up to 256."""
-    return available() and load().small_batch_linear_isa() == "amx" and head_dim % 32 == 0 and head_dim <= 256
+    """Head dims that are multiples of 32 up to 256, on a CPU with one of the kernel's paths."""
+    return bool(isa()) and head_dim % 32 == 0 and head_dim <= 256
 
 
 def prefill_attention(
-    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: KernelRows, scale: float, window: int = 0
+    out: torch.Tensor,
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    rows: KernelRows,
+    scale: float,
+    window: int = 0,
+    use_amx: bool | None = None,
 ) -> None:
-    """As `paged_attention`, on AMX tiles; window > 0: each query sees its last `window` keys."""
-    load().prefill_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale, window)
+    """As `paged_attention`; window > 0: each query sees its last `window` keys. `use_amx`:
+    the tile path (default: where this process may use AMX), else the dot products."""
+    amx = isa() == "amx" if use_amx is None else use_amx
+    load().prefill_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale, window, amx)

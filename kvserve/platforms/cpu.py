@@ -1,6 +1,6 @@
 """The CPU platform: kvserve's compiled kernels where they build and fit, PyTorch elsewhere.
 
-- attention: `CpuPagedAttention` (the paged kernel; on AMX the prefill kernel too) for
+- attention: `CpuPagedAttention` (the paged kernel; with AVX512-BF16 the prefill kernel too) for
   the head dims the kernel is compiled for;
 - element-wise ops: the fused kernels of `kernels/layer_ops` for fp32 and bf16;
 - whole KV blocks to and from the tiers: `kernels/block_copy`;
@@ -39,7 +39,8 @@ from kvserve.platforms.interface import Platform
 class CpuPlatform(Platform):
     def attention_backend(self, head_dim: int) -> AttentionBackend:
         if paged_attention.supports(head_dim):
-            return CpuPagedAttention(prefill_kernel=prefill_attention.supports(head_dim))
+            prefill = prefill_attention.isa() if prefill_attention.supports(head_dim) else ""
+            return CpuPagedAttention(prefill_kernel=prefill)
         return TorchAttention()
 
     def layer_ops(self) -> LayerOps:
@@ -81,7 +82,7 @@ class CpuLayerLoop:
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # query heads per KV head
         self.loop = decoder_layers(
             cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps,
-            layers,
+            layers, backend.prefill_kernel == "amx",
         )  # fmt: skip
 
     def __call__(

@@ -5,7 +5,7 @@
 // 30 layers. Projections go to small_batch_linear up to its row limit (bf16 on
 // AVX512-BF16 or AMX, fp32 on AVX2; 0 rows where it has no path) and to oneDNN's
 // pre-packed matmul above it; attention to the kernels CpuPagedAttention picks:
-// paged_attention, prefill_attention, SDPA for long chunks where there is no AMX. Built
+// paged_attention, prefill_attention, SDPA for long chunks without AVX512-BF16. Built
 // for bf16 and fp32 models whose every projection is packed, without q/k norm.
 
 #include <ATen/ATen.h>
@@ -68,9 +68,9 @@ struct LongChunk {
 class DecoderLayers : public torch::CustomClassHolder {
  public:
   DecoderLayers(int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t intermediate_size, double eps,
-                int64_t max_small_rows, bool use_amx)
+                int64_t max_small_rows, bool use_amx, bool prefill_amx)
       : heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), intermediate_(intermediate_size),
-        eps_(eps), max_small_rows_(max_small_rows), use_amx_(use_amx) {}
+        eps_(eps), max_small_rows_(max_small_rows), use_amx_(use_amx), prefill_amx_(prefill_amx) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::vector<at::Tensor> packed,
                  std::vector<at::Tensor> onednn, std::optional<at::Tensor> qkv_small_bias,
@@ -138,7 +138,7 @@ class DecoderLayers : public torch::CustomClassHolder {
       if (!chunks.empty()) {
         KVSERVE_RANGE("kvserve::prefill_attention");
         prefill_attention(attn, q, kv_caches[l][0], kv_caches[l][1], chunks[0], chunks[1], chunks[2], chunks[3],
-                          scale, 0);  // the layer loop runs full-attention (Llama) layers only
+                          scale, 0, prefill_amx_);  // the layer loop runs full-attention (Llama) layers only
       }
       for (const LongChunk& c : long_chunks) long_chunk_attention(attn, q, k, v, kv_caches[l], c);
       const at::Tensor o = linear(attn.view({tokens, q_size}), w.o, buf.hidden);
@@ -208,14 +208,15 @@ class DecoderLayers : public torch::CustomClassHolder {
   int64_t heads_, kv_heads_, head_dim_, intermediate_;
   double eps_;
   int64_t max_small_rows_;
-  bool use_amx_;
+  bool use_amx_;      // the small-batch kernel's tiles
+  bool prefill_amx_;  // prefill_attention's tiles: the path the Python layers' backend takes
   std::vector<Layer> layers_;
 };
 
 // The class's methods are listed beside it; torch_bindings.cpp calls this.
 void register_decoder_layers(torch::Library& m) {
   m.class_<DecoderLayers>("DecoderLayers")
-      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, bool>())
+      .def(torch::init<int64_t, int64_t, int64_t, int64_t, double, int64_t, bool, bool>())
       .def("add_layer", &DecoderLayers::add_layer)
       .def("forward", &DecoderLayers::forward);
 }

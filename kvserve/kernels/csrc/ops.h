@@ -25,7 +25,7 @@ void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& query_lens, const at::Tensor& context_lens);
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-                       const at::Tensor& context_lens, double scale, int64_t window);
+                       const at::Tensor& context_lens, double scale, int64_t window, bool use_amx);
 std::vector<int64_t> supported_head_dims();
 std::string vector_isa();
 void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed,

@@ -1,15 +1,19 @@
-// Flash attention for prefill chunks on AMX, reading K/V in place through block tables.
+// Flash attention for prefill chunks of bf16 models, reading K/V in place through block
+// tables: on AMX tiles, or with AVX512-BF16 dot products (`vdpbf16ps`) where there is no
+// AMX (Zen 4) or it is withheld (KVSERVE_DISABLE_AMX=1).
 //
 // Same contract as paged_attention (see there): sequence s owns rows [start, start +
 // qlen) of q and out, its new tokens at the end of ctx tokens of context, and query i
 // sees keys [0, ctx - qlen + i]; with a sliding window (window > 0) only the last
 // `window` of them, and nothing before the block of an item's lowest visible key is read
-// (a window group's earlier blocks are back in the pool). Only bf16, with AMX.
+// (a window group's earlier blocks are back in the pool).
 //
 // Why: a chunk that follows a cached prefix otherwise goes to SDPA through a gathered
-// copy of the prefix and an additive mask, at ~0.3 TFLOP/s here; the AMX tile unit does
-// the two matmuls of each step several times faster. Layout choices, so that nothing of
-// the cache is transposed:
+// copy of the prefix and an additive mask; the tile unit does the two matmuls of each
+// step several times faster, and without it the dot products still skip the copy and the
+// mask. Both paths share the layouts, the online softmax and the work split; they differ
+// only in the two products (`scores`, `add_pv`). Layout choices, so that nothing of the
+// cache is transposed:
 // - query heads that share a KV head are folded into rows, query-major (row = i * group
 //   + g), so the causal limit only grows down the rows;
 // - scores are computed transposed, S^T = K Q^T: the A operand is 16 keys of a page
@@ -17,7 +21,9 @@
 // - in S^T each vector is one key for 16 rows, so the online softmax (max, exp, sums) is
 //   element-wise across vectors, with no horizontal reductions;
 // - P is transposed back (16x16 fp32) into the A operand of O += P V, and V pages are
-//   interleaved in key pairs into the B operand, once per step for all row tiles.
+//   interleaved in key pairs into the B operand, once per step for all row tiles. The
+//   dot products read the same operands: a 32-bit pair of one operand broadcast against
+//   a vector of the other's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,6 +31,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <vector>
@@ -32,10 +39,14 @@
 #include "amx.h"
 #include "ops.h"
 
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 namespace kvserve {
 namespace {
 
-#if KVSERVE_AMX
+#if defined(__AVX512BF16__)
 
 constexpr int64_t kRows = 16;     // folded query rows per tile
 constexpr int64_t kPage = 16;     // keys per A tile of K: one page (or a 16-key part of one)
@@ -64,6 +75,7 @@ struct Item {
   int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
 };
 
+#if KVSERVE_AMX
 // Tiles: 0 S^T of a page, 2 K rows, 3 Q^T, 4 O, 5 P, 6 packed V; all 16 x 64 B (1 unused).
 void configure_tiles() {
   TileConfig cfg;
@@ -73,6 +85,7 @@ void configure_tiles() {
   }
   load_tile_config(cfg);
 }
+#endif
 
 // 2^x for x <= 0 (-inf gives ~0; callers zero masked lanes): degree-5 polynomial on the
 // fraction, exponent by scalef. Relative error ~2e-7, far below bf16's.
@@ -183,8 +196,32 @@ void pack_values(const Problem& p, const Item& it, int64_t t0, int64_t first, Sc
   }
 }
 
+// A 32-bit pair of bf16 values, broadcast to every lane: one operand of a dot product.
+inline __m512bh pair_at(const at::BFloat16* x) {
+  int32_t bits;
+  std::memcpy(&bits, x, sizeof(bits));
+  return (__m512bh)_mm512_set1_epi32(bits);
+}
+
+// S^T of one page's 16 keys (`k`: the first, rows c_token apart) for the tile's 16 rows,
+// as dot products: each key's dim pairs broadcast against Q^T's vectors; 8 keys at a
+// time share each load of Q^T.
+void page_scores_dot(const Problem& p, const at::BFloat16* k, const RowTile& rt, float (*s)[kRows]) {
+  for (int64_t j0 = 0; j0 < kPage; j0 += 8) {
+    __m512 acc[8];
+    for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < p.head_dim / 32; ++c)
+      for (int64_t jp = 0; jp < 16; ++jp) {
+        const __m512bh qv = (__m512bh)_mm512_load_si512(rt.qt[c][jp]);
+        for (int j = 0; j < 8; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], pair_at(k + (j0 + j) * p.c_token + c * 32 + 2 * jp), qv);
+      }
+    for (int j = 0; j < 8; ++j) _mm512_store_ps(s[j0 + j], acc[j]);
+  }
+}
+
 // S^T [32 keys][16 rows] for keys [t0, t0 + 32); a page past the context or before the
 // first readable key (`first` is block-aligned, so a page is wholly on one side) is all -inf.
+template <bool Amx>
 void scores(const Problem& p, const Item& it, int64_t t0, int64_t first, const RowTile& rt, Scratch& sc) {
   const int64_t ctx = p.context_lens[it.seq];
   for (int64_t half = 0; half < 2; ++half) {
@@ -194,17 +231,46 @@ void scores(const Problem& p, const Item& it, int64_t t0, int64_t first, const R
       continue;
     }
     const at::BFloat16* k = key_row(p, p.k, it.seq, t, it.head);
-    _tile_zero(0);
-    for (int64_t c = 0; c < p.head_dim / 32; ++c) {
-      _tile_loadd(2, k + c * 32, p.c_token * 2);
-      _tile_loadd(3, rt.qt[c], 64);
-      _tile_dpbf16ps(0, 2, 3);
+#if KVSERVE_AMX
+    if constexpr (Amx) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < p.head_dim / 32; ++c) {
+        _tile_loadd(2, k + c * 32, p.c_token * 2);
+        _tile_loadd(3, rt.qt[c], 64);
+        _tile_dpbf16ps(0, 2, 3);
+      }
+      _tile_stored(0, sc.s[half * kPage], 64);
+      continue;
     }
-    _tile_stored(0, sc.s[half * kPage], 64);
+#endif
+    page_scores_dot(p, k, rt, sc.s + half * kPage);
   }
 }
 
+// O += P V as dot products: each row's key pairs of P broadcast against the packed V's
+// vectors; 8 rows x 32 dims of O stay in registers over the step's 32 keys.
+void add_pv_dot(const Problem& p, RowTile& rt, const Scratch& sc) {
+  for (int64_t c = 0; c < p.head_dim / 16; c += 2)
+    for (int64_t r0 = 0; r0 < kRows; r0 += 8) {
+      __m512 acc[8][2];
+      for (int r = 0; r < 8; ++r)
+        for (int h = 0; h < 2; ++h) acc[r][h] = _mm512_load_ps(rt.o[r0 + r] + (c + h) * 16);
+      for (int64_t kp = 0; kp < kStep / 2; ++kp) {
+        const __m512bh v0 = (__m512bh)_mm512_load_si512(sc.vv[c][kp]);
+        const __m512bh v1 = (__m512bh)_mm512_load_si512(sc.vv[c + 1][kp]);
+        for (int r = 0; r < 8; ++r) {
+          const __m512bh pr = pair_at(&sc.p[r0 + r][2 * kp]);
+          acc[r][0] = _mm512_dpbf16_ps(acc[r][0], pr, v0);
+          acc[r][1] = _mm512_dpbf16_ps(acc[r][1], pr, v1);
+        }
+      }
+      for (int r = 0; r < 8; ++r)
+        for (int h = 0; h < 2; ++h) _mm512_store_ps(rt.o[r0 + r] + (c + h) * 16, acc[r][h]);
+    }
+}
+
 // Online softmax over a step's scores, then O = O * alpha + P V.
+template <bool Amx>
 void attend_step(const Problem& p, int64_t t0, RowTile& rt, Scratch& sc) {
   const __m512 scale = _mm512_set1_ps(p.scale_log2);
   const bool windowed = p.window > 0 && t0 < rt.max_limit - p.window;  // some row's window starts after t0
@@ -241,13 +307,19 @@ void attend_step(const Problem& p, int64_t t0, RowTile& rt, Scratch& sc) {
   transpose16(s);
   transpose16(s + kPage);
   for (int64_t r = 0; r < kRows; ++r) _mm512_store_si512(sc.p[r], (__m512i)_mm512_cvtne2ps_pbh(s[kPage + r], s[r]));
-  _tile_loadd(5, sc.p, 64);
-  for (int64_t c = 0; c < p.head_dim / 16; ++c) {
-    _tile_loadd(4, rt.o[0] + c * 16, kMaxHeadDim * 4);
-    _tile_loadd(6, sc.vv[c], 64);
-    _tile_dpbf16ps(4, 5, 6);
-    _tile_stored(4, rt.o[0] + c * 16, kMaxHeadDim * 4);
+#if KVSERVE_AMX
+  if constexpr (Amx) {
+    _tile_loadd(5, sc.p, 64);
+    for (int64_t c = 0; c < p.head_dim / 16; ++c) {
+      _tile_loadd(4, rt.o[0] + c * 16, kMaxHeadDim * 4);
+      _tile_loadd(6, sc.vv[c], 64);
+      _tile_dpbf16ps(4, 5, 6);
+      _tile_stored(4, rt.o[0] + c * 16, kMaxHeadDim * 4);
+    }
+    return;
   }
+#endif
+  add_pv_dot(p, rt, sc);
 }
 
 void store_rows(const Problem& p, const Item& it, int64_t row0, const RowTile& rt) {
@@ -278,6 +350,7 @@ void prefetch_step(const Problem& p, const Item& it, int64_t t0) {
   }
 }
 
+template <bool Amx>
 void attend_item(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t ntiles = (it.rows + kRows - 1) / kRows;
   for (int64_t t = 0; t < ntiles; ++t) load_row_tile(p, it, it.row0 + t * kRows, sc.tiles[t]);
@@ -292,8 +365,8 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
       RowTile& rt = sc.tiles[t];
       if (t0 >= rt.max_limit) continue;  // every key of this step is in this tile's future
       if (p.window > 0 && t0 + kStep <= rt.min_limit - p.window) continue;  // and in the past of its window
-      scores(p, it, t0, first, rt, sc);
-      attend_step(p, t0, rt, sc);
+      scores<Amx>(p, it, t0, first, rt, sc);
+      attend_step<Amx>(p, t0, rt, sc);
     }
   }
   for (int64_t t = 0; t < ntiles; ++t) store_rows(p, it, it.row0 + t * kRows, sc.tiles[t]);
@@ -322,18 +395,24 @@ std::vector<Item> make_items(const Problem& p, int64_t num_seqs, int64_t kv_head
 
 }  // namespace
 
-// out[rows, heads, D] = attention of the chunks' queries over their paged K/V (see the top).
+// out[rows, heads, D] = attention of the chunks' queries over their paged K/V (see the top),
+// on AMX tiles (`use_amx`) or with dot products.
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
-                       const at::Tensor& context_lens, double scale, int64_t window) {
-#if KVSERVE_AMX
+                       const at::Tensor& context_lens, double scale, int64_t window, bool use_amx) {
+#if defined(__AVX512BF16__)
   // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor starts = query_start.to(at::kLong).contiguous();
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && amx_permitted(), "prefill_attention: bf16 with AMX only");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
+#if KVSERVE_AMX
+  TORCH_CHECK(!use_amx || amx_permitted(), "prefill_attention: AMX is not granted to this process");
+#else
+  TORCH_CHECK(!use_amx, "prefill_attention: this build has no AMX");
+#endif
   TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim && k_cache.size(1) % kPage == 0,
               "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
   Problem p;
@@ -355,7 +434,6 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   const std::vector<Item> items = make_items(p, lens.size(0), k_cache.size(2));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    configure_tiles();
     // kept per thread: building its 200 KB anew (zeroed, page-faulted in) cost ~7 us a call,
     // half of a one-token chunk's whole call. On the heap, not a thread_local object: GCC
     // specialised attend_step for that object's address, and then looked the address up
@@ -363,12 +441,22 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
     static thread_local std::unique_ptr<Scratch> scratch;
     if (!scratch) scratch = std::make_unique<Scratch>();
     Scratch& sc = *scratch;
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
-      attend_item(p, items[w], sc);
-    _tile_release();
+    const auto run = [&](auto attend) {
+      for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
+        attend(p, items[w], sc);
+    };
+#if KVSERVE_AMX
+    if (use_amx) {
+      configure_tiles();
+      run(attend_item<true>);
+      _tile_release();
+      return;
+    }
+#endif
+    run(attend_item<false>);
   });
 #else
-  TORCH_CHECK(false, "prefill_attention needs AMX; this build has none");
+  TORCH_CHECK(false, "prefill_attention needs AVX512-BF16; this build has none");
 #endif
 }
 

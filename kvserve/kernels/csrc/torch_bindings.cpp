@@ -21,7 +21,7 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("supported_head_dims() -> int[]", &kvserve::supported_head_dims);
   m.def("vector_isa() -> str", &kvserve::vector_isa);
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale, int window=0) -> ()");
+        "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale, int window, bool use_amx) -> ()");
   m.impl("prefill_attention", c10::DispatchKey::CPU, &kvserve::prefill_attention);
 
   m.def("small_batch_linear(Tensor(a!) out, Tensor x, Tensor packed_weight, Tensor? bias, bool use_amx) -> ()");

@@ -3,9 +3,10 @@
 `TorchAttention` copies every request's K/V blocks into a padded tensor per layer per
 step before SDPA; on the CPU that copy costs more than the attention itself. The
 kernel in `kvserve/kernels/csrc/paged_attention.cpp` walks the block tables instead, reading
-each K/V row once. On CPUs with AMX, prefill chunks of bf16 models go to a second
-kernel (`kvserve/kernels/csrc/prefill_attention.cpp`), flash attention on the tile unit, also
-reading the pages in place: 1.5-3x faster than SDPA on a gathered copy of the context.
+each K/V row once. On CPUs with AVX512-BF16, prefill chunks of bf16 models go to a second
+kernel (`kvserve/kernels/csrc/prefill_attention.cpp`), flash attention on the AMX tile unit
+or with `vdpbf16ps` dot products, also reading the pages in place: on AMX 1.5-3x faster than
+SDPA on a gathered copy of the context.
 Both are part of kvserve's CPU extension (`kvserve/kernels`); where that does not build,
 the CPU platform keeps `TorchAttention`.
 """
@@ -21,11 +22,13 @@ from kvserve.kernels.paged_attention import KernelRows, paged_attention
 from kvserve.kernels.prefill_attention import prefill_attention
 from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, TorchAttention, write_kv
 
-# Without the AMX chunk kernel, prefill chunks up to this many queries go to the paged
-# kernel: its per-key dot products beat SDPA's matmuls on short chunks, while on longer
-# ones SDPA's flash kernel (bf16 via AMX) wins, once it is called with 4-D inputs (3-D
-# ones take SDPA's much slower math path). Measured on SmolLM2 shapes: crossover at
-# ~16-24 queries in bf16, ~32-48 in fp32.
+# Without the AMX prefill kernel, prefill chunks up to this many queries go to the paged
+# kernel: its per-key dot products beat SDPA's matmuls on short chunks (crossover at
+# ~16-24 queries in bf16, ~32-48 in fp32, SmolLM2 shapes), and the prefill kernel's dot
+# products too (SmolLM2, 1,000 cached + 8 new: 0.31 vs 0.45 ms; Gemma 3's 4 x 256-dim heads
+# would rather take the prefill kernel: 0.48 vs 1.00 ms). Longer chunks go to the prefill
+# kernel where the CPU has AVX512-BF16, else to SDPA's flash kernel (called with 4-D
+# inputs: 3-D ones take SDPA's much slower math path).
 KERNEL_MAX_PREFILL_QUERIES = 16
 
 
@@ -34,16 +37,18 @@ class KernelBatch:
     """A step's attention plan (built once per step, shared by every layer)."""
 
     paged: KernelRows  # decodes, and short chunks where there is no prefill kernel
-    chunks: KernelRows | None  # prefill chunks for the AMX prefill kernel
+    chunks: KernelRows | None  # prefill chunks for the prefill kernel
     torch_prefills: list[PrefillSeq]  # left to TorchAttention
 
 
 class CpuPagedAttention:
-    """`AttentionBackend` for the CPU: the paged kernel for decodes; on AMX machines the
-    prefill kernel for every prefill chunk of a bf16 model, elsewhere the paged kernel for
-    short chunks and TorchAttention's SDPA for long ones, where matmuls win."""
+    """`AttentionBackend` for the CPU: the paged kernel for decodes; for the prefill chunks of
+    a bf16 model with `prefill_kernel` ("amx" or "avx512_bf16": `kernels.prefill_attention.isa()`),
+    the prefill kernel (on AMX every chunk, on the dot products those over
+    `max_prefill_queries`); elsewhere the paged kernel for short chunks and TorchAttention's
+    SDPA for long ones, where matmuls win."""
 
-    def __init__(self, max_prefill_queries: int = KERNEL_MAX_PREFILL_QUERIES, prefill_kernel: bool = False) -> None:
+    def __init__(self, max_prefill_queries: int = KERNEL_MAX_PREFILL_QUERIES, prefill_kernel: str = "") -> None:
         self.max_prefill_queries = max_prefill_queries
         self.prefill_kernel = prefill_kernel
 
@@ -64,7 +69,7 @@ class CpuPagedAttention:
         if batch.paged.query_lens.numel():
             paged_attention(out, q, kv_cache, batch.paged, scale, window)
         if batch.chunks is not None:
-            prefill_attention(out, q, kv_cache, batch.chunks, scale, window)
+            prefill_attention(out, q, kv_cache, batch.chunks, scale, window, use_amx=self.prefill_kernel == "amx")
         for seq in batch.torch_prefills:
             rows = slice(seq.query_start, seq.query_start + seq.query_len)
             out[rows] = TorchAttention._prefill(q[rows], k[rows], v[rows], kv_cache, seq)
@@ -73,19 +78,18 @@ class CpuPagedAttention:
     def plan(self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int) -> KernelBatch:
         """Once per metadata (every layer of a KV group shares one in a step), kept on it."""
         if not isinstance(meta.backend_state, KernelBatch):
-            chunks = self.prefill_kernel and dtype == torch.bfloat16 and block_size % 16 == 0
-            meta.backend_state = kernel_batch(meta, self.max_prefill_queries, chunks)
+            usable = dtype == torch.bfloat16 and block_size % 16 == 0
+            meta.backend_state = kernel_batch(meta, self.max_prefill_queries, self.prefill_kernel if usable else "")
         return meta.backend_state
 
 
-def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int, prefill_kernel: bool) -> KernelBatch:
-    """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the kernels."""
+def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int, prefill_kernel: str) -> KernelBatch:
+    """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the
+    kernels: on AMX every chunk to the prefill kernel, elsewhere short ones to the paged kernel."""
     nd = meta.num_decode_tokens
-    if prefill_kernel:
-        short, long = [], []
-    else:
-        short = [s for s in meta.prefills if s.query_len <= max_prefill_queries]
-        long = [s for s in meta.prefills if s.query_len > max_prefill_queries]
+    short_max = 0 if prefill_kernel == "amx" else max_prefill_queries
+    short = [s for s in meta.prefills if s.query_len <= short_max]
+    rest = [s for s in meta.prefills if s.query_len > short_max]
     context_lens = meta.decode_context_lens[:nd].tolist() + [s.context_len for s in short]
     paged = KernelRows(
         block_tables=_stack_tables(meta.decode_block_tables[:nd], [s.block_table for s in short]),
@@ -93,8 +97,8 @@ def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int, prefill_kern
         query_lens=torch.tensor([1] * nd + [s.query_len for s in short], dtype=torch.int64),
         context_lens=torch.tensor(context_lens, dtype=torch.int32),
     )
-    chunks = _chunk_rows(meta.prefills) if prefill_kernel and meta.prefills else None
-    return KernelBatch(paged, chunks, long)
+    chunks = _chunk_rows(rest) if prefill_kernel and rest else None
+    return KernelBatch(paged, chunks, [] if prefill_kernel else rest)
 
 
 def _chunk_rows(prefills: list[PrefillSeq]) -> KernelRows:
