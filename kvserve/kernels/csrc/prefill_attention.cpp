@@ -12,8 +12,8 @@
 // copy of the prefix and an additive mask; the tile unit does the two matmuls of each
 // step several times faster, and without it the dot products still skip the copy and the
 // mask. Both paths share the layouts, the online softmax and the work split; they differ
-// only in the two products (`scores`, `add_pv`). Layout choices, so that nothing of the
-// cache is transposed:
+// only in the two products (`scores`, the end of `attend_step`). Layout choices, so that
+// nothing of the cache is transposed:
 // - query heads that share a KV head are folded into rows, query-major (row = i * group
 //   + g), so the causal limit only grows down the rows;
 // - scores are computed transposed, S^T = K Q^T: the A operand is 16 keys of a page
