@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
-from kvserve.kernels import build, paged_attention, prefill_attention
+from kvserve.kernels import build, paged_attention, prefill_attention, small_batch_linear
 from kvserve.kernels.paged_attention import KernelRows
 from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
 from kvserve.layers.attention.cpu import CpuPagedAttention, kernel_batch
@@ -173,7 +173,7 @@ def test_unsupported_head_dim_falls_back():
 # AVX512-BF16 dot products wherever that ISA is, an AMX host included): P is rounded to
 # bf16 before P V, as SDPA's flash kernel does, so it is held to SDPA-in-bf16's bounds
 # against the fp32 reference.
-PREFILL_PATHS = prefill_attention.paths()
+PREFILL_PATHS = small_batch_linear.bf16_paths()
 needs_prefill_kernel = pytest.mark.skipif(not PREFILL_PATHS, reason="no AVX512-BF16: no prefill kernel here")
 each_prefill_path = pytest.mark.parametrize("path", PREFILL_PATHS)
 CHUNKS = [(0, 2), (0, 40), (30, 10), (50, 37), (1000, 3), (100, 365), (16, 16), (17, 64)]
@@ -213,7 +213,7 @@ def test_prefill_kernel_without_sequences(path):
     q = torch.zeros(0, 9, 64, dtype=torch.bfloat16)
     none = torch.zeros(0, dtype=torch.long)
     rows = KernelRows(none.view(0, 1), none, none, none.int())
-    prefill_attention.prefill_attention(q.clone(), q, cache, rows, 0.125, use_amx=path == "amx")
+    prefill_attention.prefill_attention(q.clone(), q, cache, rows, 0.125, 0, use_amx=path == "amx")
 
 
 @needs_prefill_kernel

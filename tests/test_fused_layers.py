@@ -11,6 +11,7 @@ from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
 from kvserve.kernels import build, prefill_attention
+from kvserve.kernels.small_batch_linear import bf16_paths
 from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 from kvserve.layers import linear
 
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.skipif(not build.available(), reason="kvserve's CPU ker
 
 # an AMX machine also runs the AVX512-BF16 kernel (as a CPU without AMX would, up to 4 rows);
 # fp32 runs with its AVX2 kernel where it is compiled in, and with oneDNN alone on any CPU
-ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), [])
+ISAS = bf16_paths()
 FP32_ISAS = sorted({"", small_batch_isa(torch.float32)})  # oneDNN alone, and the kernel where there is one
 DTYPES_AND_ISAS = [("bfloat16", isa) for isa in ISAS] + [("float32", isa) for isa in FP32_ISAS]
 needs_bf16_kernel = pytest.mark.skipif(not ISAS, reason="no small-batch bf16 kernel on this CPU")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvserve.kernels.small_batch_linear import SMALL_BATCH_MAX_ROWS, SmallBatchWeight
+from kvserve.kernels.small_batch_linear import SMALL_BATCH_MAX_ROWS, SmallBatchWeight, bf16_paths
 from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 from kvserve.layers.linear import PackedLinear, can_pack
 
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not can_pack(torch.float32, CPU), reason="no one
 
 # an AMX machine also runs the AVX512-BF16 path; elsewhere the bf16 tests have nothing to run
 HAS_BF16 = can_pack(torch.bfloat16, CPU)
-ISAS = {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(small_batch_isa(), []) if HAS_BF16 else []
+ISAS = bf16_paths() if HAS_BF16 else []
 needs_bf16 = pytest.mark.skipif(not HAS_BF16, reason="no oneDNN bf16")
 FP32_ISA = small_batch_isa(torch.float32)  # "avx2" where the fp32 path is compiled in
 DTYPES_AND_ISAS = [(torch.bfloat16, isa) for isa in ISAS] + ([(torch.float32, FP32_ISA)] if FP32_ISA else [])

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_cpu_attention import BS, make_batch
 
-from kvserve.kernels import build, prefill_attention
+from kvserve.kernels import build, prefill_attention, small_batch_linear
 from kvserve.layers.attention.backend import TorchAttention
 from kvserve.layers.attention.cpu import CpuPagedAttention
 
@@ -94,7 +94,7 @@ def test_paged_kernel_float32_matches_and_never_reads_past_the_window(decode_len
 
 
 @pytest.mark.skipif(not prefill_attention.supports(256), reason="prefill kernel unavailable (no AVX512-BF16)")
-@pytest.mark.parametrize("path", prefill_attention.paths())
+@pytest.mark.parametrize("path", small_batch_linear.bf16_paths())
 @pytest.mark.parametrize("decode_lens, prefills, window", CASES)
 def test_prefill_kernel_bf16_matches_and_never_reads_past_the_window(decode_lens, prefills, window, path):
     q, k, v, kv, poisoned, meta = windowed_batch(decode_lens, prefills, window, head_dim=256, dtype=torch.bfloat16)

@@ -9,19 +9,11 @@ from kvserve.kernels import small_batch_linear
 from kvserve.kernels.build import load
 from kvserve.kernels.paged_attention import KernelRows
 
-ISAS = ("amx", "avx512_bf16")
-
 
 def isa() -> str:
-    """'amx' or 'avx512_bf16' (the bf16 small-batch kernel's, which says whether Linux grants
-    AMX, or KVSERVE_DISABLE_AMX withholds it), '' where the kernel cannot run."""
-    name = small_batch_linear.isa(torch.bfloat16)
-    return name if name in ISAS else ""
-
-
-def paths() -> list[str]:
-    """Every path this process can run, best first: the dot products run wherever AMX does."""
-    return {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(isa(), [])
+    """'amx' or 'avx512_bf16', the bf16 small-batch kernel's (it says whether Linux grants AMX,
+    or KVSERVE_DISABLE_AMX withholds it); '' where the kernel cannot run."""
+    return small_batch_linear.isa(torch.bfloat16)
 
 
 def supports(head_dim: int) -> bool:
@@ -30,15 +22,9 @@ def supports(head_dim: int) -> bool:
 
 
 def prefill_attention(
-    out: torch.Tensor,
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    rows: KernelRows,
-    scale: float,
-    window: int = 0,
-    use_amx: bool | None = None,
-) -> None:
-    """As `paged_attention`; window > 0: each query sees its last `window` keys. `use_amx`:
-    the tile path (default: where this process may use AMX), else the dot products."""
-    amx = isa() == "amx" if use_amx is None else use_amx
-    load().prefill_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale, window, amx)
+    out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, rows: KernelRows, scale: float, window: int,
+    use_amx: bool,
+) -> None:  # fmt: skip
+    """As `paged_attention`; window > 0: each query sees its last `window` keys. `use_amx`: on
+    the tiles (where this process may use AMX), else with the dot products."""
+    load().prefill_attention(out, q, kv_cache[0], kv_cache[1], *rows.args(), scale, window, use_amx)

@@ -40,6 +40,12 @@ def isa(dtype: torch.dtype = torch.bfloat16) -> str:
     return load().small_batch_linear_isa() if dtype == torch.bfloat16 else small_batch_linear_f32.isa()
 
 
+def bf16_paths() -> list[str]:
+    """Every bf16 kernel path this process can run, best first: the AVX512-BF16 dot products
+    run wherever AMX does (how an AMX host tests a CPU without it)."""
+    return {"amx": ["amx", "avx512_bf16"], "avx512_bf16": ["avx512_bf16"]}.get(isa(torch.bfloat16), [])
+
+
 class SmallBatchWeight:
     """A weight packed for kvserve's kernel, N padded to 64 columns: [N/16, K/p, 16, p], p the
     K values per 32-bit lane (bf16: K in pairs; fp32: one)."""

@@ -213,7 +213,8 @@ void page_scores_dot(const Problem& p, const at::BFloat16* k, const RowTile& rt,
     for (int64_t c = 0; c < p.head_dim / 32; ++c)
       for (int64_t jp = 0; jp < 16; ++jp) {
         const __m512bh qv = (__m512bh)_mm512_load_si512(rt.qt[c][jp]);
-        for (int j = 0; j < 8; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], pair_at(k + (j0 + j) * p.c_token + c * 32 + 2 * jp), qv);
+        for (int j = 0; j < 8; ++j)
+          acc[j] = _mm512_dpbf16_ps(acc[j], pair_at(k + (j0 + j) * p.c_token + c * 32 + 2 * jp), qv);
       }
     for (int j = 0; j < 8; ++j) _mm512_store_ps(s[j0 + j], acc[j]);
   }
