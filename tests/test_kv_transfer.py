@@ -1,5 +1,6 @@
-"""KVTransfer's two ways of moving whole blocks, the kernel's memcpys on a CPU pool and the
-staging tensor, give the stored layout [layers, 2, block_size, heads, head_dim] both ways."""
+"""KVTransfer's two ways of moving whole blocks, the kernel's copies on a CPU pool and the
+staging tensor, give the stored layout [layers, 2, block_size, heads, head_dim] both ways
+(the kernel streams parts of a multiple of 64 bytes and memcpys the others: both shapes)."""
 
 from __future__ import annotations
 
@@ -18,9 +19,12 @@ COPIERS = [pytest.param(None, id="staged")] + [
 ]
 
 
-def pool(layers: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+BLOCK_SHAPES = [(4, 3, 16), (2, 1, 12)]  # (block_size, heads, head_dim): 384-768 and 48-96 bytes a part
+
+
+def pool(layers: int, dtype: torch.dtype, seed: int, block_shape=BLOCK_SHAPES[0]) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn((2, 12, 4, 3, 16), generator=gen).to(dtype) for _ in range(layers)]
+    return [torch.randn((2, 12, *block_shape), generator=gen).to(dtype) for _ in range(layers)]
 
 
 def stored(caches: list[torch.Tensor], block: int) -> bytes:
@@ -30,13 +34,14 @@ def stored(caches: list[torch.Tensor], block: int) -> bytes:
 
 @pytest.mark.parametrize("copier", COPIERS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_blocks_out_and_back_in(copier, dtype):
-    caches = pool(5, dtype, 0)
+@pytest.mark.parametrize("block_shape", BLOCK_SHAPES)
+def test_blocks_out_and_back_in(copier, dtype, block_shape):
+    caches = pool(5, dtype, 0, block_shape)
     ids = [7, 0, 11, 3]
     gathered = KVTransfer(caches, None, copier)._gather(ids)
     assert [bytes(row) for row in gathered] == [stored(caches, b) for b in ids]
 
-    target = pool(5, dtype, 1)
+    target = pool(5, dtype, 1, block_shape)
     before = [c.clone() for c in target]
     KVTransfer(target, None, copier).load([BlockLoad(b, stored(caches, s)) for b, s in [(2, 7), (9, 0), (5, 11)]])
     for layer, (t, c, old) in enumerate(zip(target, caches, before, strict=True)):
