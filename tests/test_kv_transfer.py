@@ -22,7 +22,9 @@ COPIERS = [pytest.param(None, id="staged")] + [
 BLOCK_SHAPES = [(4, 3, 16), (2, 1, 12)]  # (block_size, heads, head_dim): 384-768 and 48-96 bytes a part
 
 
-def pool(layers: int, dtype: torch.dtype, seed: int, block_shape=BLOCK_SHAPES[0]) -> list[torch.Tensor]:
+def pool(
+    layers: int, dtype: torch.dtype, seed: int, block_shape: tuple[int, int, int] = BLOCK_SHAPES[0]
+) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn((2, 12, *block_shape), generator=gen).to(dtype) for _ in range(layers)]
 
