@@ -195,7 +195,13 @@ def test_a_request_waits_for_its_load_while_others_run(tiny_model_dir, redis_ser
     llm = make(tiny_model_dir, kv_remote=redis_server.url())
     engine = llm.llm_engine
     engine.add_request(prompt(8), GREEDY, request_id="other")
-    engine.step()  # "other" runs (its lookup in Redis found nothing)
+    # "other" runs once its lookup in Redis has found nothing; on a busy host that
+    # lookup can outlast the scheduler's wait, so it may take more than one step.
+    for _ in range(100):
+        engine.step()
+        if engine.scheduler.running:
+            break
+    assert not engine.scheduler.loading
     redis_server.pause()  # the next load cannot finish until resumed
     engine.add_request(prompt(7), GREEDY, request_id="loads")
     engine.step()
