@@ -196,11 +196,11 @@ def test_a_request_waits_for_its_load_while_others_run(tiny_model_dir, redis_ser
     engine = llm.llm_engine
     engine.add_request(prompt(8), GREEDY, request_id="other")
     # "other" runs once its lookup in Redis has found nothing; on a busy host that
-    # lookup can outlast the scheduler's wait, so it may take more than one step.
-    for _ in range(100):
+    # lookup can outlast the scheduler's wait, so it may take more than one step (and
+    # never more than the store's 2 s load timeout).
+    deadline = time.monotonic() + 10.0
+    while not engine.scheduler.running and time.monotonic() < deadline:
         engine.step()
-        if engine.scheduler.running:
-            break
     assert not engine.scheduler.loading
     redis_server.pause()  # the next load cannot finish until resumed
     engine.add_request(prompt(7), GREEDY, request_id="loads")
