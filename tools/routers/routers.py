@@ -135,6 +135,14 @@ class Proc:
             self.popen.kill()
             self.popen.wait()
 
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU time so far (Linux /proc), threads included; None once it has exited."""
+        try:
+            fields = Path(f"/proc/{self.popen.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except (AttributeError, OSError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def tail(self, lines: int = 15) -> str:
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -326,6 +334,32 @@ def router_histograms(url: str) -> dict[str, Any]:
     return out
 
 
+REPLICA_COUNTERS = ("request_success", "prompt_tokens", "generation_tokens", "prefix_cache_hits", "num_preemptions")
+
+
+def replica_counters(url: str) -> dict[str, float]:
+    """A replica's own totals (kvserve's /metrics), to see how a router split the work."""
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    out = dict.fromkeys(REPLICA_COUNTERS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("kvserve:").removesuffix("_total")
+        if name in out and not line.startswith("#"):
+            out[name] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def cpu_split(procs: dict[str, Proc], before: dict[str, float | None]) -> dict[str, float | None]:
+    """CPU seconds each process spent since `before`."""
+    out: dict[str, float | None] = {}
+    for name, proc in procs.items():
+        now, then = proc.cpu_seconds(), before.get(name)
+        out[name] = None if now is None or then is None else now - then
+    return out
+
+
 def run_bench(cfg: BenchConfig, url: str, model: str, run_dir: Path, kill: Proc | None = None) -> dict[str, Any]:
     """`kvserve bench serve` as a subprocess; with `kill`, that replica gets SIGKILL kill_after_s in."""
     out_json = run_dir / "bench.json"
@@ -368,8 +402,12 @@ def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "",
         url, router = start_router(policy, [u for u, _ in replicas], cfg.anchors, run_dir, extra)
         if variant != "kill":
             run["added_latency"] = added_latency([u for u, _ in replicas], url, model, cfg.probes)
+        procs = {"router": router} | {f"replica {i}": proc for i, (_, proc) in enumerate(replicas)}
+        cpu_before = {name: proc.cpu_seconds() for name, proc in procs.items()}
         got = run_bench(cfg, url, model, run_dir, kill=replicas[1][1] if variant == "kill" else None)
         run |= summarize(got["result"], sizing.turns) | {"killed_at_s": got["killed_at_s"], "ok": True}
+        run["cpu_s"] = cpu_split(procs, cpu_before)
+        run["replica_counters"] = [replica_counters(u) for u, _ in replicas]
         if POLICIES[policy][1] == "kvserve":
             run["router_histograms"] = router_histograms(url)
     except (RuntimeError, httpx.HTTPError, KeyError, ValueError) as e:

@@ -140,6 +140,31 @@ def histogram_lines(report: dict[str, Any]) -> list[str]:
     return lines or ["(no kvserve router run)"]
 
 
+def split_table(report: dict[str, Any]) -> list[str]:
+    """Where the CPU went during each benchmark and how the router split the turns over the replicas."""
+    lines = [
+        "| router / policy | CPU s: router | replica 0 | replica 1 | turns 0 / 1 | prefill computed 0 / 1 "
+        "| generated 0 / 1 | preemptions 0 / 1 |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for run in report["runs"]:
+        cpu, counters = run.get("cpu_s"), run.get("replica_counters")
+        if not cpu or not counters or len(counters) != 2:
+            continue
+        label = run["label"] + (f" ({run['variant']})" if run["variant"] else "")
+
+        def pair(f, counters=counters) -> str:
+            return " / ".join(f"{f(c):.0f}" if c else "-" for c in counters)
+
+        lines.append(
+            f"| {label} | {_f(cpu.get('router'), 1)} | {_f(cpu.get('replica 0'), 1)} | {_f(cpu.get('replica 1'), 1)} "
+            f"| {pair(lambda c: c['request_success'])} "
+            f"| {pair(lambda c: c['prompt_tokens'] - c['prefix_cache_hits'])} "
+            f"| {pair(lambda c: c['generation_tokens'])} | {pair(lambda c: c['num_preemptions'])} |"
+        )
+    return lines if len(lines) > 2 else ["(not measured)"]
+
+
 def notes(report: dict[str, Any]) -> list[str]:
     out = []
     for run in report["runs"]:
@@ -185,6 +210,13 @@ def render(report: dict[str, Any]) -> str:
         "and through the router, "
         "interleaved, before the benchmark (replicas idle). Load: `os.getloadavg()` before and after each run "
         "(the machine is shared).",
+        "",
+        "## Work split",
+        "",
+        "CPU seconds each process used during the benchmark (`/proc`), and each replica's own counters "
+        "(its /metrics: finished requests, prompt tokens less prefix-cache hits, generated tokens, preemptions).",
+        "",
+        *split_table(report),
         "",
         "## Routing decision",
         "",
