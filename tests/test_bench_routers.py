@@ -9,7 +9,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools" / "routers"))  # the harness is a folder of scripts, not a package
 
 from routers import pool_for  # noqa: E402
-from routers_report import targets  # noqa: E402
+from routers_report import split_table, targets  # noqa: E402
 
 
 def test_pool_holds_the_working_set_over_the_ratio_in_whole_blocks() -> None:
@@ -49,3 +49,12 @@ def test_a_failed_peer_leaves_its_ratios_unknown_not_met() -> None:
     assert got["hit rate, cache_aware / sglang-router"].met is None
     assert got["hit rate, cache_aware / round_robin"].met is False
     assert got["requests lost when a replica is SIGKILLed mid-run"].met is None  # the kill run did not run
+
+
+def test_the_work_split_shows_each_process_cpu_and_each_replica_share() -> None:
+    counters = dict(request_success=3, prompt_tokens=100, generation_tokens=40, prefix_cache_hits=60, num_preemptions=1)
+    split = _run("cache_aware", 0.6, 190)
+    split |= {"cpu_s": {"router": 2.5, "replica 0": 26.0, "replica 1": None}, "replica_counters": [counters, {}]}
+    rows = split_table(_report([_run("sglang", 0.5, 250), split]))  # a run without the figures has no row
+    assert len(rows) == 3
+    assert rows[2] == "| cache_aware | 2.5 | 26.0 | n/a | 3 / - | 40 / - | 40 / - | 1 / - |"
