@@ -72,6 +72,10 @@ def _load(run: dict[str, Any]) -> str:
     return f"{run['load_before'][0]:.1f} → {run['load_after'][0]:.1f}"
 
 
+def _label(run: dict[str, Any]) -> str:
+    return run["label"] + (f" ({run['variant']})" if run["variant"] else "")
+
+
 def results_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| router / policy | hit rate (bound) | TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | completed "
@@ -79,7 +83,7 @@ def results_table(report: dict[str, Any]) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for run in report["runs"]:
-        label = run["label"] + (f" ({run['variant']})" if run["variant"] else "")
+        label = _label(run)
         if not run["ok"]:
             lines.append(f"| {label} | failed: see notes | | | | | | | {_load(run)} |")
             continue
@@ -130,7 +134,7 @@ def histogram_lines(report: dict[str, Any]) -> list[str]:
         h = run.get("router_histograms")
         if not h:
             continue
-        label = run["label"] + (f" ({run['variant']})" if run["variant"] else "")
+        label = _label(run)
         dec, tok = h.get("decision", {}), h.get("tokenize", {})
         lines.append(
             f"- {label}: decision mean {_f(dec.get('mean_ms'), 3)} ms, p99 <= {_f(dec.get('p99_le_ms'), 1)} ms; "
@@ -151,7 +155,7 @@ def split_table(report: dict[str, Any]) -> list[str]:
         cpu, counters = run.get("cpu_s"), run.get("replica_counters")
         if not cpu or not counters or len(counters) != 2:
             continue
-        label = run["label"] + (f" ({run['variant']})" if run["variant"] else "")
+        label = _label(run)
 
         def pair(f, counters=counters) -> str:
             return " / ".join(f"{f(c):.0f}" if c else "-" for c in counters)
@@ -168,7 +172,7 @@ def split_table(report: dict[str, Any]) -> list[str]:
 def notes(report: dict[str, Any]) -> list[str]:
     out = []
     for run in report["runs"]:
-        label = run["label"] + (f" ({run['variant']})" if run["variant"] else "")
+        label = _label(run)
         if not run["ok"]:
             out.append(f"- **{label} failed**: `{run.get('error', '')[-800:]}`")
         for error, n in (run.get("errors") or {}).items():
