@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from routers_report import write_report
 
 from kvserve.entrypoints.cluster import _die_with_parent, core_groups, free_port
@@ -338,16 +339,17 @@ REPLICA_COUNTERS = ("request_success", "prompt_tokens", "generation_tokens", "pr
 
 
 def replica_counters(url: str) -> dict[str, float]:
-    """A replica's own totals (kvserve's /metrics), to see how a router split the work."""
+    """A replica's own totals (kvserve's /metrics, the probes before the benchmark included), to see how a
+    router split the work."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=5).text
     except httpx.HTTPError:
         return {}
     out = dict.fromkeys(REPLICA_COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0].removeprefix("kvserve:").removesuffix("_total")
-        if name in out and not line.startswith("#"):
-            out[name] += float(line.rsplit(" ", 1)[1])
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("kvserve:")
+        if name in out:
+            out[name] = sum(s.value for s in family.samples if s.name.endswith("_total"))
     return out
 
 

@@ -144,10 +144,14 @@ def histogram_lines(report: dict[str, Any]) -> list[str]:
     return lines or ["(no kvserve router run)"]
 
 
+def _pair(counters: list[dict[str, float]], figure) -> str:
+    return " / ".join(f"{figure(c):.0f}" if c else "-" for c in counters)
+
+
 def split_table(report: dict[str, Any]) -> list[str]:
-    """Where the CPU went during each benchmark and how the router split the turns over the replicas."""
+    """Where the CPU went during each benchmark and how the router split the requests over the replicas."""
     lines = [
-        "| router / policy | CPU s: router | replica 0 | replica 1 | turns 0 / 1 | prefill computed 0 / 1 "
+        "| router / policy | CPU s: router | replica 0 | replica 1 | requests 0 / 1 | prefill computed 0 / 1 "
         "| generated 0 / 1 | preemptions 0 / 1 |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
@@ -155,16 +159,12 @@ def split_table(report: dict[str, Any]) -> list[str]:
         cpu, counters = run.get("cpu_s"), run.get("replica_counters")
         if not cpu or not counters or len(counters) != 2:
             continue
-        label = _label(run)
-
-        def pair(f, counters=counters) -> str:
-            return " / ".join(f"{f(c):.0f}" if c else "-" for c in counters)
-
         lines.append(
-            f"| {label} | {_f(cpu.get('router'), 1)} | {_f(cpu.get('replica 0'), 1)} | {_f(cpu.get('replica 1'), 1)} "
-            f"| {pair(lambda c: c['request_success'])} "
-            f"| {pair(lambda c: c['prompt_tokens'] - c['prefix_cache_hits'])} "
-            f"| {pair(lambda c: c['generation_tokens'])} | {pair(lambda c: c['num_preemptions'])} |"
+            f"| {_label(run)} | {_f(cpu.get('router'), 1)} | {_f(cpu.get('replica 0'), 1)} "
+            f"| {_f(cpu.get('replica 1'), 1)} | {_pair(counters, lambda c: c['request_success'])} "
+            f"| {_pair(counters, lambda c: c['prompt_tokens'] - c['prefix_cache_hits'])} "
+            f"| {_pair(counters, lambda c: c['generation_tokens'])} "
+            f"| {_pair(counters, lambda c: c['num_preemptions'])} |"
         )
     return lines if len(lines) > 2 else ["(not measured)"]
 
@@ -218,7 +218,8 @@ def render(report: dict[str, Any]) -> str:
         "## Work split",
         "",
         "CPU seconds each process used during the benchmark (`/proc`), and each replica's own counters "
-        "(its /metrics: finished requests, prompt tokens less prefix-cache hits, generated tokens, preemptions).",
+        "(its /metrics: finished requests, prompt tokens less prefix-cache hits, generated tokens, preemptions; "
+        "the added-latency probes included).",
         "",
         *split_table(report),
         "",
