@@ -156,6 +156,7 @@ def test_kvserve_disable_amx_keeps_every_kernel_off_amx() -> None:
     code = (
         "import torch\n"
         "from kvserve.kernels import prefill_attention, small_batch_linear as s\n"
+        "torch.manual_seed(0)\n"  # unseeded, 2% of draws had an output above 32, where bf16's rounding alone passes 0.1
         "w, x = torch.randn(70, 64).bfloat16(), torch.randn(9, 64).bfloat16()\n"
         "err = (s.SmallBatchWeight(w, None, s.isa())(x).float() - (x.double() @ w.double().T).float()).abs().max()\n"
         "print(s.isa(), prefill_attention.isa(), bool(err < 0.1))\n"
