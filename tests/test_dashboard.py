@@ -12,6 +12,7 @@ import json
 import os
 import threading
 import time
+from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
 import grafana_dashboard
@@ -96,6 +97,11 @@ def expected_digests(server: ServerThread) -> dict[str, str]:
     return {t: tenant_digest(extra_key(cache_salt(secret, t))) for t in KEYS.values()}
 
 
+def js_percent(x: float) -> str:
+    """`(100 * x).toFixed(1) + "%"`, as the page writes it: JavaScript rounds a tie (11.25) up, Python to even."""
+    return f"{Decimal(100 * x).quantize(Decimal('0.1'), rounding=ROUND_HALF_UP)}%"
+
+
 def check_page_equals(fields: dict[str, str], body: dict[str, str], state: dict, m: dict) -> None:
     """What the page shows = the JSON = /metrics (the engine held still between the three reads)."""
     pool, prefix, req = state["pool"], state["prefix_cache"], state["requests"]
@@ -103,7 +109,7 @@ def check_page_equals(fields: dict[str, str], body: dict[str, str], state: dict,
     for name in ("free", "evictable", "used", "shared", "num_blocks"):
         assert fields[f"pool.{name}"] == str(pool[name]), name
     assert pool["free"] + pool["evictable"] + pool["used"] == pool["num_blocks"]
-    assert fields["pool.usage"] == f"{100 * m[('kvserve:kv_cache_usage_perc', ())]:.1f}%"
+    assert fields["pool.usage"] == js_percent(m[("kvserve:kv_cache_usage_perc", ())])
     assert pool["usage"] == pytest.approx(m[("kvserve:kv_cache_usage_perc", ())])
     for field, metric in [
         ("requests.running", "num_requests_running"),
@@ -120,7 +126,7 @@ def check_page_equals(fields: dict[str, str], body: dict[str, str], state: dict,
         assert fields[field] == str(int(m[(f"kvserve:{metric}", ())])), field
     assert fields["requests.running"] == str(req["running"]) and fields["requests.waiting"] == str(req["waiting"])
     assert fields["prefix.cached_blocks"] == str(prefix["cached_blocks"])
-    assert fields["prefix.hit_rate"] == f"{100 * prefix['hits'] / prefix['queries']:.1f}%"
+    assert fields["prefix.hit_rate"] == js_percent(prefix["hits"] / prefix["queries"])
     for tier in state["tiers"]:
         label = (("tier", tier["name"]),)
         assert fields[f"tier.{tier['name']}.hits"] == str(int(m[("kvserve:kv_tier_hits_total", label)]))
