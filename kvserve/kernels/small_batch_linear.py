@@ -21,12 +21,13 @@ from kvserve.kernels.build import available, load
 # weights, ms): with AMX 10 vs 16 at 1-16 rows, 18 vs 23 at 64, 78 vs 93 at 512, 131 vs
 # 160 at 1,024, but 280 vs 184 at 2,048; fp32 on AVX2 19 vs 33 at 1 row, 93 vs 128 at 32,
 # 1,446 vs 1,644 at 512, but 3,418 vs 3,036 at 1,024. AVX512-BF16 dot products against
-# oneDNN without AMX (its avx512_core_bf16 kernels), both on an AMX Xeon with AMX turned
-# off (KVSERVE_DISABLE_AMX=1 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, tools/bench_linear.py,
-# one thread; not a Zen 4, whose 512-bit operations run at half rate): 22 vs 40 at 1 row,
-# 31 vs 49 at 8, 109 vs 121 at 32, 403 vs 421 at 128, 5% ahead at 192, even at 256 and
-# 1,024: past a few rows both are bound by the same dot products.
-SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 192, "avx2": 512}  # "avx2": the fp32 path
+# oneDNN without AMX (its avx512_core_bf16 kernels): on an AMD Zen 5, 2 threads, 5.6 vs
+# 7.9 at 1 row, 6.4 vs 9.1 at 8, 18.1 vs 22.4 at 64, 47 vs 52 at 192, 61 vs 65 at 256,
+# even at 512; on an AMX Xeon with AMX turned off (KVSERVE_DISABLE_AMX=1
+# ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16, one thread) 22 vs 40 at 1 row, 403 vs 421 at 128,
+# even at 256 and 1,024 (tools/bench_linear.py): past a few rows both are bound by the
+# same dot products.
+SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 256, "avx2": 512}  # "avx2": the fp32 path
 TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
 
 
