@@ -241,3 +241,14 @@ def test_chunks_split_between_kernels_by_path():
         assert plan.paged.query_lens.tolist() == paged
         assert (plan.chunks and plan.chunks.query_lens.tolist()) == chunks
         assert [s.query_len for s in plan.torch_prefills] == ([40] if not path else [])
+
+
+def test_short_chunk_limit_follows_the_prefill_kernel():
+    """By default the dot-product prefill kernel takes chunks past 4 queries (it won from ~4 on
+    a Zen 5); without a prefill kernel the paged kernel keeps them up to 16, and SDPA the rest."""
+    *_, meta = make_batch([7], [(30, 4), (30, 5), (0, 16), (0, 17)], 9, 3, 64, torch.bfloat16)
+    for path, paged, chunks in (("avx512_bf16", [1, 4], [5, 16, 17]), ("", [1, 4, 5, 16], None)):
+        plan = kernel_batch(meta, None, path)
+        assert plan.paged.query_lens.tolist() == paged
+        assert (plan.chunks and plan.chunks.query_lens.tolist()) == chunks
+        assert [s.query_len for s in plan.torch_prefills] == ([17] if not path else [])

@@ -23,13 +23,16 @@ from kvserve.kernels.prefill_attention import prefill_attention
 from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, TorchAttention, write_kv
 
 # Without the AMX prefill kernel, prefill chunks up to this many queries go to the paged
-# kernel: its per-key dot products beat SDPA's matmuls on short chunks (crossover at
-# ~16-24 queries in bf16, ~32-48 in fp32, SmolLM2 shapes), and the prefill kernel's dot
-# products too (SmolLM2, 1,000 cached + 8 new: 0.31 vs 0.45 ms; Gemma 3's 4 x 256-dim heads
-# would rather take the prefill kernel: 0.48 vs 1.00 ms). Longer chunks go to the prefill
-# kernel where the CPU has AVX512-BF16, else to SDPA's flash kernel (called with 4-D
-# inputs: 3-D ones take SDPA's much slower math path).
-KERNEL_MAX_PREFILL_QUERIES = 16
+# kernel, keyed by the prefill kernel the CPU has. Without one (fp32, AVX2), the paged
+# kernel's per-key dot products beat SDPA's matmuls on short chunks (crossover at ~16-24
+# queries in bf16, ~32-48 in fp32, SmolLM2 shapes); longer chunks go to SDPA's flash
+# kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path). With the
+# dot-product prefill kernel (AVX512-BF16, no AMX: AMD Zen 4 and 5), on a Zen 5 it beat the
+# paged kernel from ~4 queries (SmolLM2, 1,000 cached: 0.13 vs 0.18 ms at 16 new, 0.10 vs
+# 0.08 at 4; Gemma 3 from 4), so only shorter chunks stay with the paged kernel. A Zen 4
+# (512-bit operations at half rate) is not measured; on an AMX Xeon with AMX withheld the
+# paged kernel won to 16.
+KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4}
 
 
 @dataclass
@@ -48,8 +51,8 @@ class CpuPagedAttention:
     `max_prefill_queries`); elsewhere the paged kernel for short chunks and TorchAttention's
     SDPA for long ones, where matmuls win."""
 
-    def __init__(self, max_prefill_queries: int = KERNEL_MAX_PREFILL_QUERIES, prefill_kernel: str = "") -> None:
-        self.max_prefill_queries = max_prefill_queries
+    def __init__(self, max_prefill_queries: int | None = None, prefill_kernel: str = "") -> None:
+        self.max_prefill_queries = max_prefill_queries  # None: KERNEL_MAX_PREFILL_QUERIES for the kernel used
         self.prefill_kernel = prefill_kernel
 
     def forward(
@@ -83,11 +86,16 @@ class CpuPagedAttention:
         return meta.backend_state
 
 
-def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int, prefill_kernel: str) -> KernelBatch:
+def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int | None, prefill_kernel: str) -> KernelBatch:
     """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the
     kernels: on AMX every chunk to the prefill kernel, elsewhere short ones to the paged kernel."""
     nd = meta.num_decode_tokens
-    short_max = 0 if prefill_kernel == "amx" else max_prefill_queries
+    if prefill_kernel == "amx":
+        short_max = 0
+    elif max_prefill_queries is None:
+        short_max = KERNEL_MAX_PREFILL_QUERIES[prefill_kernel]
+    else:
+        short_max = max_prefill_queries
     short = [s for s in meta.prefills if s.query_len <= short_max]
     rest = [s for s in meta.prefills if s.query_len > short_max]
     context_lens = meta.decode_context_lens[:nd].tolist() + [s.context_len for s in short]
