@@ -192,7 +192,8 @@ OPERATIONS = [
     ("/detokenize", "POST"),
     ("/v1/models", "GET"),
 ]
-FIXED = [("/health", "GET"), ("/metrics", "GET"), ("/version", "GET"), ("/debug/kv_state", "GET")]  # positive only
+FIXED = [("/health", "GET"), ("/load", "GET"), ("/metrics", "GET"), ("/version", "GET")]  # positive only
+FIXED += [("/debug/kv_state", "GET")]
 
 
 @pytest.mark.parametrize(

@@ -193,6 +193,7 @@ def test_openapi_lists_the_routes(server):
         "/tokenize",
         "/detokenize",
         "/health",
+        "/load",
         "/metrics",
         "/version",
     ):

@@ -73,7 +73,7 @@ def test_sdk_sees_authentication_error(server):
 
 
 def test_open_routes_need_no_key(server):
-    for path in ("/health", "/metrics", "/version", "/openapi.json"):
+    for path in ("/health", "/load", "/metrics", "/version", "/openapi.json"):
         assert httpx.get(server.url + path).status_code == 200
 
 

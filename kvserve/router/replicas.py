@@ -12,7 +12,7 @@ is dead and it died of timeouts: then it is tried anyway, as Envoy's panic mode 
 its index is dropped and its requests in flight are cut (the proxy retries or migrates
 them); it is checked on, and once it answers again it is discovered and indexed from
 scratch. Load comes from the router's own requests in flight and from the replica's
-`/metrics` (read every METRICS_EVERY checks).
+`GET /load` (read every LOAD_EVERY checks).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.kv_cache.events import KVCacheEvent
 from kvserve.logger import logger
@@ -36,7 +35,7 @@ from kvserve.router.index import BlockIndex, CachedRun, SentBlocks
 
 FAILURE_THRESHOLD = 2  # failed checks (or 5xx answers) in a row that make a replica dead
 HEALTH_TIMEOUT = 0.5  # seconds: a frozen replica is out within interval + 2 timeouts = 1.5 s
-METRICS_EVERY = 2  # read /metrics every this many checks (once a second)
+LOAD_EVERY = 2  # read /load every this many checks (once a second)
 # events expected (a request stored new blocks) and none came for this long: the index is stale
 EVENTS_STALE_AFTER = 3.0
 
@@ -110,7 +109,7 @@ class Flight:
 
 @dataclass
 class ReplicaLoad:
-    """From the replica's /metrics: the KV its other clients hold (its gauge, less the router's own then)."""
+    """From the replica's /load: the KV its other clients hold (its gauge, less the router's own then)."""
 
     running: float = 0.0
     waiting: float = 0.0
@@ -277,10 +276,10 @@ class ReplicaSet:
 
     async def check_all(self) -> None:
         self._ticks += 1
-        read_metrics = self._ticks % METRICS_EVERY == 0
-        await asyncio.gather(*(self._check(r, read_metrics) for r in self.replicas))
+        read_load = self._ticks % LOAD_EVERY == 0
+        await asyncio.gather(*(self._check(r, read_load) for r in self.replicas))
 
-    async def _check(self, r: Replica, read_metrics: bool) -> None:
+    async def _check(self, r: Replica, read_load: bool) -> None:
         streamed = r.streamed_tokens()
         try:
             ok = (await self.client.get(f"{r.url}/health", timeout=HEALTH_TIMEOUT)).status_code == 200
@@ -301,8 +300,8 @@ class ReplicaSet:
         else:
             r.failures = 0
             r.forget_if_events_lost()
-        if read_metrics and r.routable:
-            await self._read_metrics(r)
+        if read_load and r.routable:
+            await self.read_load(r)
 
     async def _discover(self, r: Replica) -> None:
         """Learn what it serves and start indexing it from nothing."""
@@ -341,19 +340,15 @@ class ReplicaSet:
             )
         return None
 
-    async def _read_metrics(self, r: Replica) -> None:
+    async def read_load(self, r: Replica) -> None:
         try:
-            text = (await self.client.get(f"{r.url}/metrics", timeout=HEALTH_TIMEOUT)).text
-        except httpx.HTTPError:
+            now = (await self.client.get(f"{r.url}/load", timeout=HEALTH_TIMEOUT)).json()
+            running, waiting = float(now["num_requests_running"]), float(now["num_requests_waiting"])
+            usage = float(now["kv_cache_usage_perc"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return  # /health decides whether it lives
-        gauges = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
         capacity = r.info.num_kv_blocks * r.info.block_size if r.info else 0
-        held = gauges.get("kvserve:kv_cache_usage_perc", 0.0) * capacity
-        r.load = ReplicaLoad(
-            gauges.get("kvserve:num_requests_running", 0.0),
-            gauges.get("kvserve:num_requests_waiting", 0.0),
-            max(0.0, held - r.router_tokens()),
-        )
+        r.load = ReplicaLoad(running, waiting, max(0.0, usage * capacity - r.router_tokens()))
 
     # failures, from the checks and from the proxy
 

@@ -40,6 +40,7 @@ from kvserve.server.protocol import (
     ErrorResponse,
     HealthResponse,
     KVEventsInfoResponse,
+    LoadResponse,
     ModelCard,
     ModelList,
     RequestModel,
@@ -149,6 +150,18 @@ async def health(raw_request: Request) -> Any:
     except EngineDeadError as e:
         raise APIError(503, str(e), type="server_error") from e
     return HealthResponse(status="ok")
+
+
+@router.get("/load", response_model=LoadResponse)
+async def load(raw_request: Request) -> LoadResponse:
+    """For routers, without a key (like /health), as SGLang's /get_load and vLLM's /load: read every
+    second, where rendering /metrics here and parsing its ~12 kB there (~1.3 ms) bought three numbers."""
+    now = raw_request.app.state.engine.load()
+    return LoadResponse(
+        num_requests_running=now.num_running,
+        num_requests_waiting=now.num_waiting,
+        kv_cache_usage_perc=now.kv_cache_usage,
+    )
 
 
 @router.get("/metrics", response_class=Response, responses={200: {"content": {CONTENT_TYPE: {}}}})

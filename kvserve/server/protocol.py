@@ -418,6 +418,14 @@ class HealthResponse(BaseModel):
     status: str
 
 
+class LoadResponse(BaseModel):
+    """The three gauges a router weighs, as /metrics reports them, without rendering every metric."""
+
+    num_requests_running: int = Field(description="sequences running on the engine")
+    num_requests_waiting: int = Field(description="requests waiting to be scheduled")
+    kv_cache_usage_perc: float = Field(description="KV cache usage: 1 means 100 percent")
+
+
 class KVEventsInfoResponse(BaseModel):
     endpoint: str = Field(description="ZMQ PUB address to connect a SUB socket to")
     replay_endpoint: str | None = Field(description="ZMQ ROUTER address that resends batches from a sequence number")
