@@ -192,8 +192,13 @@ OPERATIONS = [
     ("/detokenize", "POST"),
     ("/v1/models", "GET"),
 ]
-FIXED = [("/health", "GET"), ("/load", "GET"), ("/metrics", "GET"), ("/version", "GET")]  # positive only
-FIXED += [("/debug/kv_state", "GET")]
+FIXED = [  # positive only
+    ("/health", "GET"),
+    ("/load", "GET"),
+    ("/metrics", "GET"),
+    ("/version", "GET"),
+    ("/debug/kv_state", "GET"),
+]
 
 
 @pytest.mark.parametrize(
