@@ -32,7 +32,7 @@ from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, Torc
 # 0.08 at 4; Gemma 3 from 4), so only shorter chunks stay with the paged kernel. A Zen 4
 # (512-bit operations at half rate) is not measured; on an AMX Xeon with AMX withheld the
 # paged kernel won to 16.
-KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4}
+KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4, "amx": 0}  # AMX: every chunk to its kernel
 
 
 @dataclass
@@ -90,9 +90,7 @@ def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int | None, prefi
     """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the
     kernels: on AMX every chunk to the prefill kernel, elsewhere short ones to the paged kernel."""
     nd = meta.num_decode_tokens
-    if prefill_kernel == "amx":
-        short_max = 0
-    elif max_prefill_queries is None:
+    if prefill_kernel == "amx" or max_prefill_queries is None:
         short_max = KERNEL_MAX_PREFILL_QUERIES[prefill_kernel]
     else:
         short_max = max_prefill_queries
