@@ -10,8 +10,8 @@ from __future__ import annotations
 import base64
 import json
 import os
-import threading
 import time
+from collections.abc import Callable
 from decimal import ROUND_HALF_UP, Decimal
 from pathlib import Path
 
@@ -19,7 +19,7 @@ import grafana_dashboard
 import httpx
 import pytest
 from chromium import chromium_binary, dump_dom, page_fields, screenshot
-from test_server_common import ServerThread, metrics, wait_idle, write_keys
+from test_server_common import Hold, ServerThread, complete, metrics, run_in_threads, wait_idle, write_keys
 
 from kvserve.engine.kv_state import tenant_digest
 from kvserve.kv_cache.prefix_cache import extra_key
@@ -53,12 +53,6 @@ def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
 
 
-def complete(server: ServerThread, key: str, **body) -> dict:
-    r = httpx.post(f"{server.url}/v1/completions", json=body, headers=auth(key), timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def kv_state(server: ServerThread, key: str = ALICE) -> dict:
     r = httpx.get(f"{server.url}/debug/kv_state", headers=auth(key), timeout=30)
     assert r.status_code == 200, r.text
@@ -70,26 +64,15 @@ def page_url(server: ServerThread, key: str) -> str:
     return server.url.replace("http://", f"http://viewer:{key}@") + "/dashboard"
 
 
-class Hold:
-    """An on_step hook that holds the engine thread once requests run and a snapshot of this step exists."""
+def running_with_a_snapshot(server: ServerThread, num_requests: int) -> Callable[[], bool]:
+    """Once the requests run (3+ sequences) and a snapshot of this very step exists."""
 
-    def __init__(self, server: ServerThread, num_requests: int):
-        self.engine, self.num_requests = server.engine, num_requests
-        self.held, self.release = threading.Event(), threading.Event()
+    def ready() -> bool:
+        core, latest = server.engine.engine, server.engine.kv_feed.latest
+        running = len(core.output_processor.groups) == num_requests and len(core.scheduler.running) >= 3
+        return running and latest is not None and latest.step == core.stats.num_steps
 
-    def __call__(self, outputs: object) -> None:
-        core, latest = self.engine.engine, self.engine.kv_feed.latest
-        ready = len(core.output_processor.groups) == self.num_requests and len(core.scheduler.running) >= 3
-        if not self.held.is_set() and ready and latest is not None and latest.step == core.stats.num_steps:
-            self.held.set()
-            self.release.wait(120)
-
-
-def run_in_threads(server: ServerThread, requests: list[tuple[str, dict]]) -> list[threading.Thread]:
-    threads = [threading.Thread(target=complete, args=(server, key), kwargs=body) for key, body in requests]
-    for t in threads:
-        t.start()
-    return threads
+    return ready
 
 
 def expected_digests(server: ServerThread) -> dict[str, str]:
@@ -158,7 +141,7 @@ def test_page_shows_what_the_endpoint_and_metrics_report(server, tmp_path):
         (BOB, dict(prompt=shared, max_tokens=160, ignore_eos=True, temperature=0)),
         (BOB, dict(prompt=shared + [7], max_tokens=160, ignore_eos=True, temperature=0)),  # shares BOB's prefix
     ]
-    hold = Hold(server, len(requests))
+    hold = Hold(running_with_a_snapshot(server, len(requests)))
     server.engine.on_step.append(hold)
     threads = run_in_threads(server, requests)
     try:

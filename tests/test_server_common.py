@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -46,6 +47,34 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
+
+
+class Hold:
+    """An `on_step` hook that holds the engine thread once, after the first step where `ready()` holds,
+    until `release` is set: what is read meanwhile (/metrics, /load, /debug/kv_state) sees one moment."""
+
+    def __init__(self, ready: Callable[[], bool], timeout: float = 120):
+        self.ready, self.timeout = ready, timeout
+        self.held, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, outputs: object) -> None:
+        if not self.held.is_set() and self.ready():
+            self.held.set()
+            self.release.wait(self.timeout)
+
+
+def complete(server: ServerThread, key: str, **body: object) -> dict:
+    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def run_in_threads(server: ServerThread, requests: list[tuple[str, dict]]) -> list[threading.Thread]:
+    """`complete` each (key, body) in a thread of its own, started."""
+    threads = [threading.Thread(target=complete, args=(server, key), kwargs=body) for key, body in requests]
+    for t in threads:
+        t.start()
+    return threads
 
 
 def write_keys(path: Path, keys: dict[str, str] = KEYS) -> Path:

@@ -1,14 +1,18 @@
-"""/metrics after a known set of requests: every counter equals what was sent."""
+"""/metrics after a known set of requests: every counter equals what was sent; GET /load (the gauges a
+router weighs) equals /metrics' while the engine is held with requests running, and is what the
+router's view of the replica is made of."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import httpx
 import pytest
-from test_server_common import TINY_ARGS, ServerThread, metrics, wait_idle, write_keys
+from test_server_common import TINY_ARGS, Hold, ServerThread, complete, metrics, run_in_threads, wait_idle, write_keys
 
 from kvserve.logger import logger
+from kvserve.router.replicas import ReplicaSet, ServerInfo, State
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.stats_logger import StatsLogger
 
@@ -18,12 +22,6 @@ def server(tiny_model_dir, tmp_path_factory):
     keys = write_keys(tmp_path_factory.mktemp("keys") / "keys.txt")
     with ServerThread(tiny_model_dir, "--api-keys", str(keys), *TINY_ARGS) as s:
         yield s
-
-
-def complete(server, key: str, **body) -> dict:
-    r = httpx.post(f"{server.url}/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_counters_equal_what_was_sent(server):
@@ -87,3 +85,32 @@ def test_stats_log_line_only_when_something_happened(server):
         logger.removeHandler(handler)
     (line,) = lines
     assert "generation throughput" in line and "KV cache usage: 0.0%" in line and "prefix cache hit rate" in line
+
+
+def test_load_equals_the_metrics_gauges_and_feeds_the_routers_view_of_the_replica(server):
+    hold = Hold(lambda: len(server.engine.engine.scheduler.running) == 2)
+    server.engine.on_step.append(hold)
+    body = dict(max_tokens=64, ignore_eos=True, temperature=0)
+    clients = run_in_threads(server, [("key-a", dict(prompt=list(range(p, p + 100)), **body)) for p in (1000, 3000)])
+    try:
+        assert hold.held.wait(60), "the requests never ran together"
+        load = httpx.get(f"{server.url}/load").json()  # no key, as /health
+        scraped = metrics(server.url)
+        replicas = ReplicaSet([server.url], httpx.AsyncClient(), None)
+        r = replicas.replicas[0]
+        info = httpx.get(f"{server.url}/server_info").json()
+        r.state, r.info = State.HEALTHY, ServerInfo.from_json(info, server.url)
+        asyncio.run(replicas.read_load(r))
+    finally:
+        hold.release.set()
+        server.engine.on_step.remove(hold)
+        for t in clients:
+            t.join(60)
+    assert load == {g: pytest.approx(scraped[(f"kvserve:{g}", ())]) for g in load}
+    assert set(load) == {"num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"}
+    assert load["num_requests_running"] == 2 and load["num_requests_waiting"] == 0
+    capacity = r.info.num_kv_blocks * r.info.block_size
+    assert load["kv_cache_usage_perc"] * capacity >= 2 * 100  # both prompts' blocks are held
+    # none of it went through this router: all of it is the replica's other clients'
+    assert (r.load.running, r.load.waiting) == (2.0, 0.0)
+    assert r.load.others_tokens == pytest.approx(load["kv_cache_usage_perc"] * capacity)

@@ -22,24 +22,23 @@ from kvserve.kernels.paged_attention import KernelRows, paged_attention
 from kvserve.kernels.prefill_attention import prefill_attention
 from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, TorchAttention, write_kv
 
-# Without the AMX prefill kernel, prefill chunks up to this many queries go to the paged
-# kernel, keyed by the prefill kernel the CPU has. Without one (fp32, AVX2), the paged
-# kernel's per-key dot products beat SDPA's matmuls on short chunks (crossover at ~16-24
-# queries in bf16, ~32-48 in fp32, SmolLM2 shapes); longer chunks go to SDPA's flash
-# kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path). With the
-# dot-product prefill kernel (AVX512-BF16, no AMX: AMD Zen 4 and 5), on a Zen 5 it beat the
-# paged kernel from ~4 queries (SmolLM2, 1,000 cached: 0.13 vs 0.18 ms at 16 new, 0.10 vs
-# 0.08 at 4; Gemma 3 from 4), so only shorter chunks stay with the paged kernel. A Zen 4
-# (512-bit operations at half rate) is not measured; on an AMX Xeon with AMX withheld the
-# paged kernel won to 16.
-KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4, "amx": 0}  # AMX: every chunk to its kernel
+# Prefill chunks up to this many queries go to the paged kernel, by the prefill kernel the
+# CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp32,
+# AVX2), the paged kernel's per-key dot products beat SDPA's matmuls on short chunks
+# (crossover at ~16-24 queries in bf16, ~32-48 in fp32, SmolLM2 shapes); longer chunks go to
+# SDPA's flash kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path).
+# The dot-product prefill kernel (AVX512-BF16, no AMX: AMD Zen 4 and 5) beat the paged kernel
+# on a Zen 5 from ~4 queries (SmolLM2, 1,000 cached: 0.13 vs 0.18 ms at 16 new, 0.10 vs 0.08
+# at 4; Gemma 3 from 4). A Zen 4 (512-bit operations at half rate) is not measured; on an
+# AMX Xeon with AMX withheld the paged kernel won to 16.
+KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4, "amx": 0}
 
 
 @dataclass
 class KernelBatch:
     """A step's attention plan (built once per step, shared by every layer)."""
 
-    paged: KernelRows  # decodes, and short chunks where there is no prefill kernel
+    paged: KernelRows  # decodes, and the chunks up to the limit
     chunks: KernelRows | None  # prefill chunks for the prefill kernel
     torch_prefills: list[PrefillSeq]  # left to TorchAttention
 
@@ -47,9 +46,9 @@ class KernelBatch:
 class CpuPagedAttention:
     """`AttentionBackend` for the CPU: the paged kernel for decodes; for the prefill chunks of
     a bf16 model with `prefill_kernel` ("amx" or "avx512_bf16": `kernels.prefill_attention.isa()`),
-    the prefill kernel (on AMX every chunk, on the dot products those over
-    `max_prefill_queries`); elsewhere the paged kernel for short chunks and TorchAttention's
-    SDPA for long ones, where matmuls win."""
+    the prefill kernel for the chunks past the limit (`KERNEL_MAX_PREFILL_QUERIES`: none on AMX);
+    elsewhere the paged kernel for short chunks and TorchAttention's SDPA for long ones, where
+    matmuls win."""
 
     def __init__(self, max_prefill_queries: int | None = None, prefill_kernel: str = "") -> None:
         self.max_prefill_queries = max_prefill_queries  # None: KERNEL_MAX_PREFILL_QUERIES for the kernel used
@@ -87,13 +86,10 @@ class CpuPagedAttention:
 
 
 def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int | None, prefill_kernel: str) -> KernelBatch:
-    """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the
-    kernels: on AMX every chunk to the prefill kernel, elsewhere short ones to the paged kernel."""
+    """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the kernels:
+    those up to the limit (`max_prefill_queries`, else the kernel's default) to the paged kernel."""
     nd = meta.num_decode_tokens
-    if prefill_kernel == "amx" or max_prefill_queries is None:
-        short_max = KERNEL_MAX_PREFILL_QUERIES[prefill_kernel]
-    else:
-        short_max = max_prefill_queries
+    short_max = KERNEL_MAX_PREFILL_QUERIES[prefill_kernel] if max_prefill_queries is None else max_prefill_queries
     short = [s for s in meta.prefills if s.query_len <= short_max]
     rest = [s for s in meta.prefills if s.query_len > short_max]
     context_lens = meta.decode_context_lens[:nd].tolist() + [s.context_len for s in short]
