@@ -238,16 +238,16 @@ class TierMachine(RuleBasedStateMachine):
         return {b.block_id: self._content_key(b.block_id) for b in self.kv.pool.blocks if b.cached}
 
     def _holding(self, req: Req, first: int) -> list[KVTier]:
-        """Where the tiers hold the request's blocks from `first` on, one after another (host RAM
-        first): what start_load plans to read."""
-        usable = (req.num_tokens - 1) // self.bs
+        """Where the tiers hold the request's blocks from `first` on, one after another: what
+        start_load plans to read. In runs: the first tier (host RAM first) holding the next block
+        serves every block it holds in a row from there, even those host RAM holds too."""
+        keys = [self._tier_key(req, i) for i in range(first, (req.num_tokens - 1) // self.bs)]
         out: list[KVTier] = []
-        for i in range(first, usable):
-            k = self._tier_key(req, i)
-            tier = next((t for t in (self.host, self.disk) if t.contains([k])), None)
-            if tier is None:
+        while len(out) < len(keys):
+            run = next(((t, n) for t in (self.host, self.disk) if (n := t.contains(keys[len(out) :]))), None)
+            if run is None:
                 break
-            out.append(tier)
+            out += [run[0]] * run[1]
         return out
 
     # the engine's side: saves (KVTransfer.save), copies, loads, the forward
@@ -642,7 +642,7 @@ TestRadixTiersStateful = RadixTierMachine.TestCase
 TestHashTiersStateful = HashTierMachine.TestCase
 
 
-# Two paths the machine reaches only now and then, driven step by step (the invariants after each).
+# Paths the machine reaches only now and then, driven step by step (the invariants after each).
 
 P = (1, 2, 3, 4, 5, 6, 7, 8, 9)  # 4 reusable blocks of 2 tokens
 Q = (7, 7, 7, 7, 7, 7)
@@ -656,9 +656,13 @@ def checked(machine: TierMachine) -> TierMachine:
     return machine
 
 
-def scenario(machine_class: type[TierMachine], policy: WritePolicy, host_blocks: int, disk_blocks: int):
+def scenario(
+    machine_class: type[TierMachine], policy: WritePolicy, host_blocks: int, disk_blocks: int, block_size: int = 2
+):
     m = machine_class()
-    m.setup(num_blocks=8, block_size=2, host_blocks=host_blocks, disk_blocks=disk_blocks, slack=0, policy=policy)
+    m.setup(
+        num_blocks=8, block_size=block_size, host_blocks=host_blocks, disk_blocks=disk_blocks, slack=0, policy=policy
+    )
     return checked(m)
 
 
@@ -703,5 +707,22 @@ def test_a_load_whose_device_hit_was_evicted_meanwhile_is_not_used(machine_class
         assert m.plans[req.seq_id].arrived == 2
         admit(m, req)  # blocks 2 and 3 no longer continue anything in the pool: it computes all
         assert req in m.running and req.num_computed_tokens == len(P) and m.store.use["disk"].served == 0
+    finally:
+        m.teardown()
+
+
+@pytest.mark.parametrize("machine_class", [RadixTierMachine, HashTierMachine])
+def test_a_run_on_disk_is_read_from_disk_though_host_ram_holds_part_of_it(machine_class):
+    m = scenario(machine_class, WritePolicy.WRITE_THROUGH, host_blocks=2, disk_blocks=3, block_size=3)
+    try:
+        m.serve(P, [], b"")  # disk holds its 3 blocks, host RAM the last 2
+        m.reset()
+        req = admit(m, m._new(P, [], b""))
+        assert req in m.loading and m.plans[req.seq_id].tiers == [m.disk, m.disk]  # one read, not disk then host
+        admit(m, m._new(P[:3], [], b""))  # block 0 into host RAM, which drops block 1
+        checked(m)._arrive(req)
+        assert m.plans[req.seq_id].arrived == 2 and m.store.use["disk"].served == 0
+        admit(m, req)  # block 0 is in the pool by now: disk serves block 1
+        assert req in m.running and req.num_computed_tokens == len(P) and m.store.use["disk"].served == 1
     finally:
         m.teardown()
