@@ -94,12 +94,24 @@ def test_decode_bfloat16(heads, kv_heads, head_dim):
     torch.testing.assert_close(out, ref16, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("length", [1, 300, 1037])
+@pytest.fixture(params=[1, 2, 3, 4])
+def num_threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(
+    "decode_lens, prefills",
+    [([1], []), ([64], []), ([65], []), ([300], []), ([1037], []), ([], [(300, 4)]), ([], [(0, 9)]), ([40, 700], [])],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_single_stream_decode(length, dtype):
-    """One sequence: fewer work items than threads, so the kernel hands out its KV heads."""
-    batch = make_batch([length], [], 9, 3, 64, dtype, seed=2)
-    out, ref = run_both(CpuPagedAttention(), *batch, reference_dtype=torch.float32)
+def test_fewer_sequences_than_threads(decode_lens, prefills, dtype, num_threads):
+    """Fewer work items than threads: each sequence's keys split into runs of whole tiles
+    (64 keys), one per thread, merged after; a sequence of one tile hands out its KV heads."""
+    batch = make_batch(decode_lens, prefills, 9, 3, 64, dtype, seed=2)
+    out, ref = run_both(CpuPagedAttention(max_prefill_queries=16), *batch, reference_dtype=torch.float32)
     if dtype == torch.bfloat16:
         assert_bf16_close(out, ref)
     else:

@@ -73,6 +73,8 @@ CASES = [
     ([], [(0, 40), (5, 12), (100, 9), (130, 3)], 16),  # chunks, short ones the paged kernel's
     ([], [(0, 700), (600, 100), (1000, 24)], 512),  # past the window, and a chunk after a cached prefix
     ([70, 3], [(45, 20), (0, 33)], 7),  # a window that is not a multiple of the block
+    ([1037], [], 300),  # one stream: the keys in its window split between the threads
+    ([], [(1000, 9)], 130),
 ]
 
 

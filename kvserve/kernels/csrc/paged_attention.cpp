@@ -11,7 +11,10 @@
 // their blocks back in the pool) are never read.
 //
 // Work items are (sequence, tile of up to kQueryTile query rows); a thread runs an
-// item's KV heads one after another. Each KV head's pass handles every query head that
+// item's KV heads one after another. With fewer items than threads (a single stream),
+// each item's keys are split into runs of whole tiles, one per thread, and the runs'
+// partial softmax states (max, sum, output) merge at the end (split-K, as vLLM's paged
+// attention v2 does for long contexts). Each KV head's pass handles every query head that
 // shares it (GQA), so each K/V row is read from memory once, and keeps fp32 running
 // max / sum / output per row: online softmax over tiles of kTileTokens keys
 // (flash-decoding style), so scratch does not grow with the context. Items are handed
@@ -65,6 +68,7 @@ struct Problem {
 
 struct Item {
   int64_t seq, first, last;  // query rows [first, last) of seq, as indices among its new tokens
+  int64_t part = 0, parts = 1;  // which run of its keys' tiles this is, of how many
 };
 
 // bf16 caches on CPUs with AVX512-BF16 take the scores with the keys along the lanes
@@ -293,9 +297,10 @@ inline void mask_tile(int64_t t0, int64_t n, int64_t rows, Scratch& sc) {
 }
 
 // Online softmax: new running max, rescale factor for the old sum and output, and the
-// tile's probabilities (unnormalised) in place of its scores. Without a window every row
-// sees the item's first key in its first tile, so the running max is finite from then on;
-// with one a row may see nothing yet, and then keeps its empty state (no inf - inf).
+// tile's probabilities (unnormalised) in place of its scores. Without a window a whole
+// item's rows see its first key in its first tile, so the running max is finite from then
+// on; with one, or in a run of keys past a row's causal limit, a row may see nothing yet,
+// and then keeps its empty state (no inf - inf).
 inline void softmax_tile(int64_t n, int64_t rows, Scratch& sc) {
   const int64_t padded = (n + W - 1) / W * W;
   for (int64_t r = 0; r < rows; ++r) {
@@ -376,27 +381,38 @@ int64_t item_first_key(const Problem<T>& p, const Item& it) {
   return std::max<int64_t>(0, p.context_lens[it.seq] - p.query_lens[it.seq] + it.first + 1 - p.window);
 }
 
-// Locate keys [t0, t0 + kTileTokens) of (item, head) and start loading them.
+// The keys [begin, end) this item reads: its run of the tiles from its first key on.
+template <typename T>
+std::pair<int64_t, int64_t> key_range(const Problem<T>& p, const Item& it) {
+  const int64_t first = item_first_key(p, it), end = item_keys(p, it);
+  const int64_t tiles = (end - first + kTileTokens - 1) / kTileTokens;
+  auto edge = [&](int64_t part) { return std::min(end, first + tiles * part / it.parts * kTileTokens); };
+  return {edge(it.part), edge(it.part + 1)};
+}
+
+// Locate keys [t0, t0 + kTileTokens) of (item, head), within its range, and start loading them.
 template <typename T, int D>
 void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t* rows) {
-  const int64_t n = std::min(kTileTokens, item_keys(p, it) - t0);
+  const int64_t n = std::min(kTileTokens, key_range(p, it).second - t0);
   locate_keys(p, it.seq, t0, n, h, rows);
   prefetch_keys<T, D>(p, rows, n);
 }
 
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
 // caller; while a tile is computed the next one is fetched, and after the last tile,
-// the first tile of `then` (the thread's next work item), so loads never wait idle.
+// the first tile of `then` (the thread's next work item), so loads never wait idle. An
+// item that is one run of several leaves its state in `partial` for merge_parts.
 template <typename T, int D>
-void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc) {
+void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc,
+                 float* partial) {
   const int64_t rows = load_queries<T, D>(p, it, h, sc);
-  const int64_t keys = item_keys(p, it);
-  for (int64_t t0 = item_first_key(p, it); t0 < keys; t0 += kTileTokens) {
+  const auto [begin, keys] = key_range(p, it);
+  for (int64_t t0 = begin; t0 < keys; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, keys - t0);
     if (t0 + n < keys) {
       fetch_tile<T, D>(p, it, h, t0 + n, sc.next_keys.data());
     } else if (then != nullptr) {
-      fetch_tile<T, D>(p, *then, then_h, item_first_key(p, *then), sc.next_keys.data());
+      fetch_tile<T, D>(p, *then, then_h, key_range(p, *then).first, sc.next_keys.data());
     }
     score_tile<T, D>(p, n, rows, sc);
     mask_tile(t0, n, rows, sc);
@@ -407,7 +423,42 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
 #if KVSERVE_NATIVE_BF16
   if constexpr (kKeyLanes<T, D>) unpermute_acc<D>(sc, rows);
 #endif
-  store_output<T, D>(p, it, h, sc);
+  if (it.parts == 1) return store_output<T, D>(p, it, h, sc);
+  float* state = partial + h * rows * (D + 2);  // per row: max, sum, output
+  for (int64_t r = 0; r < rows; ++r, state += D + 2) {
+    state[0] = sc.m[r], state[1] = sc.l[r];
+    std::memcpy(state + 2, &sc.acc[r * D], D * sizeof(float));
+  }
+}
+
+// The runs of each split item (consecutive in `units`) into its output rows: each run's
+// sum and output scaled by exp(its max - the largest), as the online softmax rescales.
+// Every row sees at least its own key, so the largest max is finite.
+template <typename T, int D>
+void merge_parts(const Problem<T>& p, const std::vector<Item>& units, const std::vector<float>& partial,
+                 int64_t unit_floats) {
+  for (size_t u0 = 0; u0 < units.size(); u0 += units[u0].parts) {
+    const Item& it = units[u0];
+    if (it.parts == 1) continue;
+    const int64_t rows = (it.last - it.first) * p.group;
+    for (int64_t h = 0; h < p.kv_heads; ++h) {
+      for (int64_t r = 0; r < rows; ++r) {
+        auto state = [&](int64_t part) { return &partial[(u0 + part) * unit_floats + (h * rows + r) * (D + 2)]; };
+        float m = kNegInf, l = 0.f, acc[D] = {};
+        for (int64_t part = 0; part < it.parts; ++part) m = std::max(m, state(part)[0]);
+        for (int64_t part = 0; part < it.parts; ++part) {
+          const float* s = state(part);
+          const float scale = std::exp(s[0] - m);  // 0 for a run this row sees nothing of
+          l += s[1] * scale;
+          for (int64_t d = 0; d < D; ++d) acc[d] += s[2 + d] * scale;
+        }
+        const int64_t i = it.first + r / p.group, g = r % p.group;
+        T* dst = p.out + (p.query_start[it.seq] + i) * p.out_row + (h * p.group + g) * p.out_head;
+        const float inv = 1.f / l;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(acc[d] * inv);
+      }
+    }
+  }
 }
 
 // Split each sequence's query rows into tiles; decode rows are one item each. Longest
@@ -425,41 +476,63 @@ std::vector<Item> make_items(const Problem<T>& p, int64_t num_seqs) {
   return items;
 }
 
+// Fewer items than threads: each item's tiles in runs, one per thread it may have (at most
+// one run per tile), consecutive in the result. Items of a single tile stay whole.
+template <typename T>
+std::vector<Item> split_keys(const Problem<T>& p, const std::vector<Item>& items, int64_t threads) {
+  std::vector<Item> units;
+  const int64_t per_item = threads / static_cast<int64_t>(items.size());
+  for (const Item& it : items) {
+    const int64_t tiles = (item_keys(p, it) - item_first_key(p, it) + kTileTokens - 1) / kTileTokens;
+    const int64_t parts = std::max<int64_t>(1, std::min(per_item, tiles));
+    for (int64_t part = 0; part < parts; ++part) units.push_back({it.seq, it.first, it.last, part, parts});
+  }
+  return units;
+}
+
 template <typename T, int D>
-void run(const Problem<T>& p, const std::vector<Item>& items) {
+void run(const Problem<T>& p, const std::vector<Item>& whole) {
   static_assert(D % W == 0, "head_dim is processed in whole vectors");
+  const int64_t threads = at::get_num_threads();
+  const std::vector<Item> items =
+      static_cast<int64_t>(whole.size()) < threads ? split_keys(p, whole, threads) : whole;
   const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t unit_floats = p.kv_heads * kQueryTile * p.group * (D + 2);
+  const bool split = n_items > static_cast<int64_t>(whole.size());
+  std::vector<float> partial(split ? n_items * unit_floats : 0);
   std::atomic<int64_t> next{0};
   // One task per thread, each pulling whole items and running their KV heads one after
   // another. A block holds every head's slice of a token side by side, and lines the L2
   // streamer fetches beyond one head's slices are the next head's: with the heads of an
   // item spread over both threads' L2s, cold steps ran 5-10% slower.
-  // Fewer items than threads (a single stream): their KV heads go to the threads one by
-  // one instead, or one thread would run the whole call while the other waited.
-  const bool by_head = n_items < at::get_num_threads();
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+  // Fewer items than threads and none split (contexts of one tile): their KV heads go to the
+  // threads one by one instead, or one thread would run the whole call while the other waited.
+  const bool by_head = !split && n_items < threads;
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
     Scratch sc(kQueryTile * p.group, D);
     auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
     if (by_head) {
       for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
         const Item& it = items[u / p.kv_heads];
         const int64_t h = u % p.kv_heads;
-        fetch_tile<T, D>(p, it, h, item_first_key(p, it), sc.keys.data());
-        attend_item<T, D>(p, it, h, nullptr, 0, sc);
+        fetch_tile<T, D>(p, it, h, key_range(p, it).first, sc.keys.data());
+        attend_item<T, D>(p, it, h, nullptr, 0, sc, nullptr);
       }
       return;
     }
     int64_t i = claim();
-    if (i < n_items) fetch_tile<T, D>(p, items[i], 0, item_first_key(p, items[i]), sc.keys.data());
+    if (i < n_items) fetch_tile<T, D>(p, items[i], 0, key_range(p, items[i]).first, sc.keys.data());
     while (i < n_items) {
       // each head's pass prefetches the first keys of the next head, the last one those of
       // the next item, claimed one ahead for that
-      for (int64_t h = 0; h + 1 < p.kv_heads; ++h) attend_item<T, D>(p, items[i], h, &items[i], h + 1, sc);
+      float* state = split ? &partial[i * unit_floats] : nullptr;
+      for (int64_t h = 0; h + 1 < p.kv_heads; ++h) attend_item<T, D>(p, items[i], h, &items[i], h + 1, sc, state);
       const int64_t ni = claim();
-      attend_item<T, D>(p, items[i], p.kv_heads - 1, ni < n_items ? &items[ni] : nullptr, 0, sc);
+      attend_item<T, D>(p, items[i], p.kv_heads - 1, ni < n_items ? &items[ni] : nullptr, 0, sc, state);
       i = ni;
     }
   });
+  if (split) merge_parts<T, D>(p, items, partial, unit_floats);
 }
 
 template <typename T>
