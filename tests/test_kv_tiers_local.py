@@ -16,6 +16,7 @@ import xxhash
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.kv_cache.tiers import record
+from kvserve.kv_cache.tiers.arena import MAX_CHUNK_SLOTS
 from kvserve.kv_cache.tiers.disk import DiskTier
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
@@ -44,8 +45,12 @@ class FakeClock:
 # --- host
 
 
-def test_host_evicts_least_recently_used_and_returns_the_evicted():
-    host = HostTier(capacity_bytes=3 * 100)
+ARENA = pytest.mark.parametrize("slot_bytes", [0, 100], ids=["copies", "arena"])
+
+
+@ARENA
+def test_host_evicts_least_recently_used_and_returns_the_evicted(slot_bytes):
+    host = HostTier(capacity_bytes=3 * 100, slot_bytes=slot_bytes)
     assert host.put([(key(i), payload(i, 100)) for i in range(3)]) == []
     assert host.get([key(0)]) == [payload(0, 100)]  # 0 is now the most recently used
     assert host.contains([key(1)]) == 1  # a probe does not refresh recency
@@ -66,8 +71,9 @@ def test_host_capacity_holds_after_every_put():
     assert host.used_bytes == sum(len(p) for p in host.get([key(i) for i in range(50)]) if p is not None)
 
 
-def test_host_contains_counts_leading_keys_and_put_of_a_present_key_only_touches():
-    host = HostTier(capacity_bytes=250)
+@ARENA
+def test_host_contains_counts_leading_keys_and_put_of_a_present_key_only_touches(slot_bytes):
+    host = HostTier(capacity_bytes=250, slot_bytes=slot_bytes)
     host.put([(key(0), payload(0, 100)), (key(1), payload(1, 100))])
     assert host.contains([key(0), key(1), key(2), key(0)]) == 2
     assert host.put([(key(0), payload(9, 100))]) == []  # already there: kept, made recent
@@ -83,6 +89,32 @@ def test_host_copies_payloads_and_drops_the_oversized():
     assert host.get([key(0)]) == [payload(0, 50)]
     assert host.put([(key(1), payload(1, 101))]) == []
     assert host.contains([key(1)]) == 0 and host.stats.dropped_writes == 1 and host.used_bytes == 50
+
+
+def test_host_arena_keeps_its_own_buffers_copies_others_and_refuses_another_size():
+    host = HostTier(capacity_bytes=300, slot_bytes=100)
+    mine = host.buffers(1)[0]
+    mine[:] = payload(0, 100)
+    theirs = bytearray(payload(1, 100))
+    host.put([(key(0), mine), (key(1), memoryview(theirs))])
+    theirs[:] = bytes(100)
+    got = host.get([key(0), key(1)])
+    assert got == [payload(0, 100), payload(1, 100)]
+    assert got[0].obj is mine.obj and host.arena.owns(got[1].obj)  # kept as given; copied into a slot
+    with pytest.raises(ValueError, match="a slot here is 100"):
+        host.put([(key(2), payload(2, 50))])
+
+
+def test_host_arena_reuses_the_slots_of_dropped_blocks():
+    host = HostTier(capacity_bytes=3 * 100, slot_bytes=100)
+    for i in range(200):
+        bufs = host.buffers(2)
+        for j, b in enumerate(bufs):
+            b[:] = payload(2 * i + j, 100)
+        host.put([(key(2 * i + j), b) for j, b in enumerate(bufs)])
+    del bufs
+    assert host.get([key(399), key(398), key(397)]) == [payload(399, 100), payload(398, 100), payload(397, 100)]
+    assert host.arena.num_slots - host.arena.num_free == 3 and host.arena.num_slots <= MAX_CHUNK_SLOTS  # one mapping
 
 
 # --- disk

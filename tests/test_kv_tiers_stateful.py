@@ -131,8 +131,8 @@ class LoadGate:
 
 
 class GatedHostTier(HostTier):
-    def __init__(self, capacity_bytes: int, gate: LoadGate) -> None:
-        super().__init__(capacity_bytes)
+    def __init__(self, capacity_bytes: int, slot_bytes: int, gate: LoadGate) -> None:
+        super().__init__(capacity_bytes, slot_bytes)  # in an arena, as the engine's
         self.gate = gate
 
     def get(self, keys):
@@ -192,7 +192,7 @@ class TierMachine(RuleBasedStateMachine):
         self.host_blocks, self.disk_blocks = host_blocks, disk_blocks
         self.gate = LoadGate()
         self.dir = Path(tempfile.mkdtemp(prefix="kvserve-tiers-"))
-        self.host = GatedHostTier(host_blocks * self.ns.block_nbytes + slack, self.gate)
+        self.host = GatedHostTier(host_blocks * self.ns.block_nbytes + slack, self.ns.block_nbytes, self.gate)
         self.disk = GatedDiskTier(self.dir, disk_blocks * self.file_size + slack, self.ns, self.gate)
         self.store = TieredKVStore(self.ns, [self.host, self.disk], policy, load_timeout=3600.0)
         cache = make_prefix_cache(self.kind, block_size)

@@ -41,9 +41,9 @@ class KVTransfer:
             wanted = self.store.wanted([s.block_key for s in batch], filled)
             batch = [s for s, w in zip(batch, wanted, strict=True) if w]
             if batch:
-                data = self._gather([s.block_id for s in batch])
+                payloads = self._gather([s.block_id for s in batch])
                 announced = [s.block_key for s in batch if s.group == 0]
-                self.store.save([s.block_key for s in batch], _payloads(data), filled, announced)
+                self.store.save([s.block_key for s in batch], payloads, filled, announced)
 
     def load(self, loads: list[BlockLoad]) -> None:
         if not loads:
@@ -63,16 +63,17 @@ class KVTransfer:
         for layer, cache in enumerate(self.kv_caches):
             cache[:, ids] = buf[:, layer].transpose(0, 1)
 
-    def _gather(self, block_ids: list[int]) -> np.ndarray:
-        """The blocks' bytes, [n, layers * 2 * block bytes]."""
+    def _gather(self, block_ids: list[int]) -> list[memoryview]:
+        """The blocks' bytes, one payload each: into the store's buffers where it has them (host
+        RAM's arena, kept as they are), else views of one array, each keeping it alive until the
+        tiers let go of it."""
         if self.copier is not None:
-            return self.copier.gather(self.kv_caches, block_ids).numpy()
+            buffers = self.store.payload_buffers(len(block_ids))
+            if buffers is not None:
+                self.copier.gather_into(self.kv_caches, block_ids, buffers)
+                return buffers
+            return [memoryview(row) for row in self.copier.gather(self.kv_caches, block_ids).numpy()]
         ids = torch.tensor(block_ids, device=self.kv_caches[0].device)
         per_layer = [cache[:, ids] for cache in self.kv_caches]  # each [2, n, block_size, heads, head_dim]
         data = torch.stack(per_layer, dim=1).transpose(0, 2).contiguous().cpu()  # [n, layers, 2, ...]
-        return data.view(torch.uint8).numpy().reshape(len(block_ids), -1)
-
-
-def _payloads(data: np.ndarray) -> list[memoryview]:
-    """One view per block; each keeps `data` alive until the tiers let go of it."""
-    return [memoryview(row) for row in data]
+        return [memoryview(row) for row in data.view(torch.uint8).numpy().reshape(len(block_ids), -1)]

@@ -243,7 +243,7 @@ def make_kv_store(
         if 0 < size < namespace.block_nbytes:  # such a tier would drop every block, starving the ones below
             raise ValueError(f"{name}={size} bytes holds no KV block ({namespace.block_nbytes} bytes); use 0 for none")
     if host:
-        tiers.append(HostTier(host))
+        tiers.append(HostTier(host, namespace.block_nbytes))
     if disk:
         tiers.append(DiskTier(config.kv_disk_path(), disk, namespace))
     if config.kv_remote:

@@ -27,8 +27,13 @@ class HostBlockCopy:
     def gather(self, caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
         """The blocks as stored, [n, layers * 2 * block bytes] uint8."""
         out = torch.empty((len(block_ids), 2 * len(caches) * caches[0][0, 0].nbytes), dtype=torch.uint8)
-        load().gather_blocks(out, caches, torch.tensor(block_ids, dtype=torch.long))
+        self.gather_into(caches, block_ids, list(out))
         return out
+
+    def gather_into(self, caches: list[torch.Tensor], block_ids: list[int], outs: Sequence[object]) -> None:
+        """Block `block_ids[i]` as stored into writable buffer `outs[i]` (a block's bytes each)."""
+        tensors = [o if isinstance(o, torch.Tensor) else torch.frombuffer(o, dtype=torch.uint8) for o in outs]
+        load().gather_blocks(tensors, caches, torch.tensor(block_ids, dtype=torch.long))
 
     def copy(self, caches: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
         """Block `src[i]` onto block `dst[i]` in every cache (each tensor once: `caches` distinct)."""

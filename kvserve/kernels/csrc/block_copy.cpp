@@ -108,15 +108,20 @@ void scatter_blocks(std::vector<at::Tensor> caches, std::vector<at::Tensor> payl
   });
 }
 
-void gather_blocks(at::Tensor out, std::vector<at::Tensor> caches, at::Tensor block_ids) {
+void gather_blocks(std::vector<at::Tensor> outs, std::vector<at::Tensor> caches, at::Tensor block_ids) {
   const int64_t bb = block_bytes(caches);
   const std::vector<int64_t> ids = checked_ids(block_ids, caches[0].size(1));
+  TORCH_CHECK(outs.size() == ids.size(), "block copy: one out per block id");
   const int64_t want = static_cast<int64_t>(caches.size()) * 2 * bb;
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.nbytes() == static_cast<size_t>(want) * ids.size(),
-              "block copy: out must be contiguous, ", want, " bytes per block");
-  auto* dst = static_cast<char*>(out.data_ptr());
+  std::vector<char*> dst(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const at::Tensor& o = outs[i];
+    TORCH_CHECK(o.device().is_cpu() && o.is_contiguous() && o.nbytes() == static_cast<size_t>(want),
+                "block copy: out ", i, " has ", o.nbytes(), " bytes, a block has ", want);
+    dst[i] = static_cast<char*>(o.data_ptr());
+  }
   for_each_part(caches, ids, bb, [&](int64_t i, int64_t at, char* pooled) {
-    stream_copy(dst + i * want + at, pooled, bb);
+    stream_copy(dst[i] + at, pooled, bb);
   });
 }
 

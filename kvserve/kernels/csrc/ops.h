@@ -39,7 +39,7 @@ std::string small_batch_linear_f32_isa();
 // Whole KV blocks between each layer's cache [2, blocks, ...] and stored blocks
 // [layers, 2, block bytes], and from block to block in the caches (block_copy.cpp).
 void scatter_blocks(std::vector<at::Tensor> caches, std::vector<at::Tensor> payloads, at::Tensor block_ids);
-void gather_blocks(at::Tensor out, std::vector<at::Tensor> caches, at::Tensor block_ids);
+void gather_blocks(std::vector<at::Tensor> outs, std::vector<at::Tensor> caches, at::Tensor block_ids);
 void copy_blocks(std::vector<at::Tensor> caches, at::Tensor src_ids, at::Tensor dst_ids);
 // The DecoderLayers class (decoder.cpp), its methods listed beside it.
 void register_decoder_layers(torch::Library& m);

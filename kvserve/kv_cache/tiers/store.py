@@ -33,6 +33,7 @@ from enum import StrEnum
 from kvserve.kv_cache.events import DISK, HOST, BlockRemoved, BlockStored, KVCacheEvent
 from kvserve.kv_cache.tiers.base import KVTier
 from kvserve.kv_cache.tiers.breaker import BreakerState
+from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
 from kvserve.logger import logger
 
@@ -238,6 +239,12 @@ class TieredKVStore:
             local = self.write_policy is WritePolicy.WRITE_THROUGH and self.local
             return [bool(local) or (bool(self.shared) and k not in self._shared_known) for k in keys]
         return [not any(t.contains([k]) for t in self.local) for k in keys]
+
+    def payload_buffers(self, n: int) -> list[memoryview] | None:
+        """n writable block buffers to gather a save into: host RAM's, which it keeps without a
+        copy (the other tiers only read them); None where no tier has any."""
+        host = next((t for t in self.local if isinstance(t, HostTier)), None)
+        return None if host is None else host.buffers(n)
 
     def save(
         self,
