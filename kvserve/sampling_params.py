@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 MAX_LOGPROBS = 20
+# A beam of a million tokens stays within the float range at length ** 50 (1e300); transformers
+# and vLLM take any value, and a huge one raised inside the engine there (and did here)
+MAX_LENGTH_PENALTY = 50
 
 
 @dataclass
@@ -93,6 +96,8 @@ class BeamSearchParams:
         lp = self.length_penalty
         if not isinstance(lp, int | float) or isinstance(lp, bool) or not math.isfinite(lp):
             raise ValueError(f"length_penalty must be a finite number, got {lp!r}")
+        if abs(lp) > MAX_LENGTH_PENALTY:  # length ** it would leave the float range, and a score with it
+            raise ValueError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], got {lp!r}")
         if not any(self.early_stopping is v for v in (True, False)) and self.early_stopping != "never":
             raise ValueError(f'early_stopping must be true, false or "never", got {self.early_stopping!r}')
         if not isinstance(self.ignore_eos, bool):

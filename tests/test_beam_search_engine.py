@@ -218,6 +218,7 @@ def test_abort_and_bad_beam_search_requests(sharp_tiny_dir):
         (dict(early_stopping="sometimes"), "early_stopping must be"),
         (dict(num_return_sequences=5), r"num_return_sequences must be in \[1, 4\]"),
         (dict(length_penalty=float("nan")), "length_penalty must be a finite number"),
+        (dict(length_penalty=-3.3e16), r"length_penalty must be in \[-50, 50\]"),
         (dict(stop_token_ids=[-1]), "stop_token_ids must be >= 0"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -53,6 +53,7 @@ def test_chat_with_beam_search(server):
         ({"logprobs": 0}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
         ({"early_stopping": "sometimes"}, "early_stopping"),
+        ({"length_penalty": -3.3e16}, "length_penalty"),  # found by the fuzzer: the engine crashed on it
         ({"n": 9}, "n"),  # beam width above max_num_seqs
     ],
 )
