@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 MAX_LOGPROBS = 20
-# A beam of a million tokens stays within the float range at length ** 50 (1e300); transformers
-# and vLLM take any value, and a huge one raised inside the engine there (and did here)
+# A beam of a million tokens stays within the float range at length ** 50 (1e300).
+# transformers and vLLM take any value; a huge one here divided by 0.0 in the engine thread.
 MAX_LENGTH_PENALTY = 50
 
 

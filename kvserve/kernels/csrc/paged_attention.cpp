@@ -381,21 +381,33 @@ int64_t item_first_key(const Problem<T>& p, const Item& it) {
   return std::max<int64_t>(0, p.context_lens[it.seq] - p.query_lens[it.seq] + it.first + 1 - p.window);
 }
 
-// The keys [begin, end) this item reads: its run of the tiles from its first key on.
+// Tiles of kTileTokens keys the whole item reads, from its first key on.
+template <typename T>
+int64_t item_tiles(const Problem<T>& p, const Item& it) {
+  return (item_keys(p, it) - item_first_key(p, it) + kTileTokens - 1) / kTileTokens;
+}
+
+// The keys [begin, end) this item reads: its run of those tiles.
 template <typename T>
 std::pair<int64_t, int64_t> key_range(const Problem<T>& p, const Item& it) {
-  const int64_t first = item_first_key(p, it), end = item_keys(p, it);
-  const int64_t tiles = (end - first + kTileTokens - 1) / kTileTokens;
+  const int64_t first = item_first_key(p, it), end = item_keys(p, it), tiles = item_tiles(p, it);
   auto edge = [&](int64_t part) { return std::min(end, first + tiles * part / it.parts * kTileTokens); };
   return {edge(it.part), edge(it.part + 1)};
 }
 
-// Locate keys [t0, t0 + kTileTokens) of (item, head), within its range, and start loading them.
+// Locate keys [t0, min(t0 + kTileTokens, end)) of (item, head) and start loading them.
 template <typename T, int D>
-void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t* rows) {
-  const int64_t n = std::min(kTileTokens, key_range(p, it).second - t0);
+void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t end, int64_t* rows) {
+  const int64_t n = std::min(kTileTokens, end - t0);
   locate_keys(p, it.seq, t0, n, h, rows);
   prefetch_keys<T, D>(p, rows, n);
+}
+
+// The same for the item's first tile.
+template <typename T, int D>
+void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* rows) {
+  const auto [begin, end] = key_range(p, it);
+  fetch_tile<T, D>(p, it, h, begin, end, rows);
 }
 
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
@@ -410,9 +422,9 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
   for (int64_t t0 = begin; t0 < keys; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, keys - t0);
     if (t0 + n < keys) {
-      fetch_tile<T, D>(p, it, h, t0 + n, sc.next_keys.data());
+      fetch_tile<T, D>(p, it, h, t0 + n, keys, sc.next_keys.data());
     } else if (then != nullptr) {
-      fetch_tile<T, D>(p, *then, then_h, key_range(p, *then).first, sc.next_keys.data());
+      fetch_first_tile<T, D>(p, *then, then_h, sc.next_keys.data());
     }
     score_tile<T, D>(p, n, rows, sc);
     mask_tile(t0, n, rows, sc);
@@ -483,8 +495,7 @@ std::vector<Item> split_keys(const Problem<T>& p, const std::vector<Item>& items
   std::vector<Item> units;
   const int64_t per_item = threads / static_cast<int64_t>(items.size());
   for (const Item& it : items) {
-    const int64_t tiles = (item_keys(p, it) - item_first_key(p, it) + kTileTokens - 1) / kTileTokens;
-    const int64_t parts = std::max<int64_t>(1, std::min(per_item, tiles));
+    const int64_t parts = std::max<int64_t>(1, std::min(per_item, item_tiles(p, it)));
     for (int64_t part = 0; part < parts; ++part) units.push_back({it.seq, it.first, it.last, part, parts});
   }
   return units;
@@ -515,13 +526,13 @@ void run(const Problem<T>& p, const std::vector<Item>& whole) {
       for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
         const Item& it = items[u / p.kv_heads];
         const int64_t h = u % p.kv_heads;
-        fetch_tile<T, D>(p, it, h, key_range(p, it).first, sc.keys.data());
+        fetch_first_tile<T, D>(p, it, h, sc.keys.data());
         attend_item<T, D>(p, it, h, nullptr, 0, sc, nullptr);
       }
       return;
     }
     int64_t i = claim();
-    if (i < n_items) fetch_tile<T, D>(p, items[i], 0, key_range(p, items[i]).first, sc.keys.data());
+    if (i < n_items) fetch_first_tile<T, D>(p, items[i], 0, sc.keys.data());
     while (i < n_items) {
       // each head's pass prefetches the first keys of the next head, the last one those of
       // the next item, claimed one ahead for that
