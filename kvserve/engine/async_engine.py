@@ -23,6 +23,7 @@ from kvserve.engine.client import (
     ModelInfo,
     QueueFullError,
     ReplicaInfo,
+    StepFailedError,
     StepHook,
 )
 from kvserve.engine.kv_state import KVState, KVStateFeed
@@ -180,12 +181,22 @@ class AsyncLLMEngine:
                     self.engine.shutdown()  # in this thread: the engine's state is this thread's
                     return
                 if self.engine.has_unfinished_requests():
-                    self._publish(self.engine.step())
-        except BaseException as e:  # a bug, not a bad request: fail every stream, loudly
+                    self._step()
+        except BaseException as e:  # not a failed step (those end their own requests): fail every stream
             logger.exception("engine loop crashed")
             self.errored = e
             for add in list(self._streams.values()):
                 self._deliver(add, e)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except StepFailedError as e:  # those requests are gone from the engine: end their streams
+            for request_id in e.request_ids:
+                if (add := self._streams.pop(request_id, None)) is not None:
+                    self._deliver(add, e)
+            outputs = []
+        self._publish(outputs)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts (waiting for one when idle); False on shutdown."""

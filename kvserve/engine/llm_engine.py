@@ -12,11 +12,12 @@ from torch.profiler import record_function
 
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
+from kvserve.engine.client import StepFailedError
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config, kv_slots
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.request import Request, RequestStatus
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.stats import EngineStats
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
 from kvserve.kv_cache.prefix_cache import extra_key
@@ -83,6 +84,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self.eos_token_ids = self.model_config.eos_token_ids or (self.tokenizer.eos_token_id,)
         self.check_invariants = check_invariants_enabled()
+        self._step_out: SchedulerOutput | None = None  # the running step's, for _fail_step
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -143,16 +145,21 @@ class LLMEngine:
         return list(prompt)
 
     def abort_request(self, request_id: str) -> None:
+        if self._end_group(request_id, RequestStatus.FINISHED_ABORTED):
+            self._publish_kv_events()
+            self._check_if_idle()
+
+    def _end_group(self, request_id: str, status: RequestStatus) -> bool:
+        """Finish every request of a group now and free its blocks; False if it is not here."""
         group = self.output_processor.drop(request_id)
         if group is None:
-            return
-        self.stats.finished_requests["abort"] += 1
+            return False
+        self.stats.finished_requests[status.value] += 1
         pending = [r for r in [*self.scheduler.waiting, *self.scheduler.loading] if r.group_id == request_id]
         samples = [s.request for s in group.samples.values()]
         running = [r for r in self.scheduler.running if r.group_id == request_id]
-        self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), RequestStatus.FINISHED_ABORTED)
-        self._publish_kv_events()
-        self._check_if_idle()
+        self.scheduler.finish_requests(dict.fromkeys(pending + samples + running), status)
+        return True
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix. Refused (returns False) while requests run, as in vLLM."""
@@ -168,9 +175,36 @@ class LLMEngine:
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
+        """One step; if it raises, its requests fail (StepFailedError names them) and the rest go on."""
+        self._step_out = None
+        try:
+            return self._step()
+        except Exception as e:
+            raise StepFailedError(self._fail_step(e), e) from e
+
+    def _fail_step(self, cause: Exception) -> list[str]:
+        """End the groups the failed step computed (every unfinished one if scheduling itself
+        raised), drop what it queued for their blocks, and check that nothing leaked; a KV
+        cache that does not check out stops the engine (the caller gets the integrity error)."""
+        logger.error("a step failed; its requests fail, the engine goes on", exc_info=cause)
+        out = self._step_out
+        if out is None:
+            ids = list(self.output_processor.groups)
+        else:
+            requests = [s.request for s in out.scheduled] + [child for _, child in out.forks]
+            ids = list(dict.fromkeys(r.group_id for r in requests))
+        for request_id in ids:
+            self._end_group(request_id, RequestStatus.FINISHED_ERROR)
+        self.kv.take_pending_loads()  # into blocks just freed
+        self.kv.take_pending_copies()
+        self.kv.check_integrity()
+        self._publish_kv_events()
+        return ids
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         with record_function("schedule"):  # named ranges: `kvserve bench step` breaks a step down by them
-            out = self.scheduler.schedule()
+            out = self._step_out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.loading:  # nothing to run but loads from the tiers: wait for one
                 self.store.wait_for_loads(self.kv.loads.values(), timeout=0.005)

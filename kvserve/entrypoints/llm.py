@@ -83,11 +83,16 @@ class LLM:
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}
         with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while self.llm_engine.has_unfinished_requests():
-                for out in self.llm_engine.step():
-                    if out.finished:
-                        finished[out.request_id] = out
-                        bar.update(1)
+            try:
+                while self.llm_engine.has_unfinished_requests():
+                    for out in self.llm_engine.step():
+                        if out.finished:
+                            finished[out.request_id] = out
+                            bar.update(1)
+            except BaseException:  # a failed step (or Ctrl-C) ends the whole call, leaving the engine clean
+                for rid in ids:
+                    self.llm_engine.abort_request(rid)
+                raise
         return [finished[i] for i in ids]
 
 
