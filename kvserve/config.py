@@ -32,7 +32,7 @@ def parse_memory(value: str | int, name: str = "kv_cache_memory") -> int:
 @dataclass
 class EngineConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "auto"  # bfloat16 where the hardware multiplies it natively, else float32
+    dtype: str = "auto"  # bfloat16 where the hardware multiplies it natively, else float32 on bf16-rounded weights
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int = "2GiB"

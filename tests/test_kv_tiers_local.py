@@ -165,6 +165,7 @@ def test_disk_index_is_rebuilt_on_restart(tmp_path: Path):
         Namespace("other-weights", "float32", 4, (2, 2, 4, 1, 8)),
         Namespace("fp", "float16", 4, (2, 2, 4, 1, 16)),  # same bytes per block, another dtype
         Namespace("fp", "float32", 4, (2, 2, 4, 2, 4)),  # same bytes per block, another shape
+        Namespace("fp", "float32", 4, (2, 2, 4, 1, 8), weight_dtype="bfloat16"),  # the weights rounded
     ],
 )
 def test_disk_of_another_namespace_sees_nothing(tmp_path: Path, other: Namespace):

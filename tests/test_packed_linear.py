@@ -79,9 +79,35 @@ def test_shapes_the_kernel_cannot_take_fall_back_to_onednn() -> None:
 
 def test_each_kernel_path_takes_only_its_dtype() -> None:
     w = torch.randn(32, 47)
-    assert SmallBatchWeight.fits(w, "avx2") and not SmallBatchWeight.fits(w.to(torch.bfloat16), "avx2")
+    assert SmallBatchWeight.fits(w, "avx2") and SmallBatchWeight.fits(w.to(torch.bfloat16), "avx2")
+    assert not SmallBatchWeight.fits(w.to(torch.float16), "avx2")
     assert not SmallBatchWeight.fits(torch.randn(32, 48), "avx512_bf16")
     assert PackedLinear(w, None, "avx512_bf16").small is None
+
+
+@pytest.mark.skipif(FP32_ISA != "avx2", reason="no AVX2 fp32 path")
+@pytest.mark.parametrize("rows", [*range(1, 14), 17, 64])
+@pytest.mark.parametrize(("n", "k", "bias"), [(200, 96, True), (70, 128, False), (9, 5, True)])
+def test_avx2_path_reads_bf16_weights_to_the_same_bits(rows: int, n: int, k: int, bias: bool) -> None:
+    """The same loop on the weight stored as bf16 (widened in registers): fp32 x, the same sums."""
+    g = torch.Generator().manual_seed(rows * 1000 + n)
+    w = torch.randn(n, k, generator=g).bfloat16()
+    b = torch.randn(n, generator=g) if bias else None
+    x = torch.randn(rows, k, generator=g)
+    narrow = SmallBatchWeight(w, b, "avx2")
+    assert narrow.packed.dtype == torch.bfloat16
+    assert torch.equal(narrow(x), SmallBatchWeight(w.float(), b, "avx2")(x))
+    assert_rounding_close(narrow(x), reference(x, w.float(), b))
+
+
+@pytest.mark.skipif(FP32_ISA != "avx2", reason="no AVX2 fp32 path")
+def test_packed_linear_keeps_an_fp32_weight_of_bf16_values_as_bf16_for_the_kernel() -> None:
+    w = torch.randn(130, 64)
+    assert PackedLinear(w, None).small.packed.dtype == torch.float32
+    layer = PackedLinear(w.bfloat16().float(), None)
+    assert layer.small.packed.dtype == torch.bfloat16
+    x = torch.randn(3, 64)
+    assert_rounding_close(layer(x), reference(x, w.bfloat16().float(), None))
 
 
 @pytest.mark.parametrize("isa", ISAS)

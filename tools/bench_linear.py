@@ -10,6 +10,10 @@ On an AMX host, the paths of a CPU without AMX (AMD Zen 4):
     KVSERVE_DISABLE_AMX=1 ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16 PYTHONPATH=. python tools/bench_linear.py
 
 (the same code paths, not a Zen 4's speeds: it runs 512-bit operations at half rate).
+
+On an AVX2-only CPU (`--isa avx2`, its default there) the kernel computes in fp32: it is timed
+on weights of bf16 values stored as bf16 ("kvserve") and as fp32 ("kvserve fp32"), against
+oneDNN's packed fp32 matmul.
 """
 
 from __future__ import annotations
@@ -35,25 +39,32 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="comma-separated row counts")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--isa", default=None, help="the kernel's path: amx or avx512_bf16 (default: this CPU's)")
+    ap.add_argument("--isa", default=None, help="the kernel's path: amx, avx512_bf16, avx2 (default: this CPU's)")
     ap.add_argument("--no-onednn", action="store_true", help="time the kernel alone")
     ap.add_argument("--flinear", action="store_true", help="also time F.linear (re-lays the weight out each call)")
     a = ap.parse_args()
-    isa = a.isa or small_batch_isa()
-    if isa not in ("amx", "avx512_bf16"):
-        raise SystemExit(f"no bf16 small-batch kernel here (isa {isa!r})")
+    isa = a.isa or small_batch_isa() or small_batch_isa(torch.float32)
+    if isa not in ("amx", "avx512_bf16", "avx2"):
+        raise SystemExit(f"no small-batch kernel here (isa {isa!r})")
+    act = torch.float32 if isa == "avx2" else torch.bfloat16  # what x and oneDNN's weights are
     env = {v: os.environ.get(v, "-") for v in ("KVSERVE_DISABLE_AMX", "ONEDNN_MAX_CPU_ISA")}
     print(f"kernel path {isa}, {torch.get_num_threads()} threads, {a.layers} layers, {env}", flush=True)
     torch.manual_seed(0)
     weights = [[(torch.randn(n, k) * 0.05).to(torch.bfloat16) for n, k in SMOLLM2_SHAPES] for _ in range(a.layers)]
     kernel = [[SmallBatchWeight(w, None, isa) for w in layer] for layer in weights]
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, BATCH_SIZE_HINT) for w in layer] for layer in weights]
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w.to(act), BATCH_SIZE_HINT) for w in layer] for layer in weights]
+    kernel_fp32 = []  # on AVX2: the same weights stored as fp32
+    if isa == "avx2":
+        kernel_fp32 = [[SmallBatchWeight(w.float(), None, isa) for w in layer] for layer in weights]
     ks = [k for _, k in SMOLLM2_SHAPES]
 
-    def kvserve_pass(x):
-        for layer in kernel:
-            for op, k in zip(layer, ks, strict=True):
-                op(x[k])
+    def kernel_pass(ops):
+        def run(x):
+            for layer in ops:
+                for op, k in zip(layer, ks, strict=True):
+                    op(x[k])
+
+        return run
 
     def onednn_pass(x):
         for layer in onednn:
@@ -63,9 +74,11 @@ def main() -> None:
     def flinear_pass(x):
         for layer in weights:
             for w, k in zip(layer, ks, strict=True):
-                F.linear(x[k], w)
+                F.linear(x[k], w.to(act))
 
-    passes = {"kvserve": kvserve_pass}
+    passes = {"kvserve": kernel_pass(kernel)}
+    if kernel_fp32:
+        passes["kvserve fp32"] = kernel_pass(kernel_fp32)
     if not a.no_onednn:
         passes["oneDNN"] = onednn_pass
     if a.flinear:
@@ -73,7 +86,7 @@ def main() -> None:
     names = list(passes)
     print("| rows | " + " | ".join(f"{n} ms" for n in names) + " |\n|---|" + "---|" * len(names), flush=True)
     for rows in (int(r) for r in a.rows.split(",")):
-        x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in set(ks)}
+        x = {k: torch.randn(rows, k).to(act) for k in set(ks)}
         times: dict[str, list[float]] = {n: [] for n in names}
         for n in names:
             passes[n](x)  # warm-up: oneDNN's kernels, first-touch of outputs

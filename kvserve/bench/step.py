@@ -55,9 +55,10 @@ class StepResult:
 
 
 def matmul_weights(engine: LLMEngine) -> tuple[int, int]:
-    """(weights multiplied per token, their bytes), from the config: packed weights are not parameters."""
+    """(weights multiplied per token, their bytes), from the config: packed weights are not parameters.
+    Bytes at the dtype their values have (bf16 for fp32 compute on rounded weights: what the kernel reads)."""
     params = engine.model_config.matmul_params_per_token()
-    return params, params * engine.dtype.itemsize
+    return params, params * engine.weight_dtype.itemsize
 
 
 def fill_decode_batch(engine: LLMEngine, batch_size: int, context_len: int, max_tokens: int, seed: int) -> list[str]:

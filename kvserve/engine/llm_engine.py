@@ -51,7 +51,7 @@ class LLMEngine:
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         platform = get_platform(config.device, config.dtype)
-        self.device, self.dtype = platform.device, platform.dtype
+        self.device, self.dtype, self.weight_dtype = platform.device, platform.dtype, platform.weights
         model = load_model(model_dir, self.model_config, platform)
         self.kv_config = kv_cache_config(model, sliding_window_release=not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_blocks()
@@ -61,7 +61,8 @@ class LLMEngine:
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
         try:
-            self.store = make_kv_store(config, model_dir, slots, sink) if cache_kind is not None else None
+            store = make_kv_store(config, model_dir, slots, self.weight_dtype, sink) if cache_kind else None
+            self.store = store
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
                 self.kv_events.close()
@@ -97,13 +98,14 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of {cfg.block_size} tokens")
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s, %s)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s, %s; weights %s)",
             num_blocks,
             cfg.block_size,
             num_blocks * cfg.block_size,
             per_token,
             self.dtype,
             self.device,
+            self.weight_dtype,
         )
         return num_blocks
 
@@ -259,7 +261,11 @@ def make_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
 
 
 def make_kv_store(
-    config: EngineConfig, model_dir: Path, kv_caches: list[torch.Tensor], on_events: EventSink | None = None
+    config: EngineConfig,
+    model_dir: Path,
+    kv_caches: list[torch.Tensor],
+    weight_dtype: torch.dtype,
+    on_events: EventSink | None = None,
 ) -> TieredKVStore | None:
     """The tiers the config turns on, in order: host RAM, disk, Redis; None if none is."""
     host = config.kv_host_bytes(on_accelerator=kv_caches[0].device.type != "cpu")
@@ -271,6 +277,7 @@ def make_kv_store(
         str(kv_caches[0].dtype).removeprefix("torch."),
         config.block_size,
         block_shape(kv_caches),
+        None if weight_dtype == kv_caches[0].dtype else str(weight_dtype).removeprefix("torch."),
     )
     tiers = []
     for name, size in (("kv_host_memory", host), ("kv_disk_size", disk)):

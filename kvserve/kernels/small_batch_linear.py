@@ -29,6 +29,9 @@ from kvserve.kernels.build import available, load
 # same dot products.
 SMALL_BATCH_MAX_ROWS = {"amx": 1024, "avx512_bf16": 256, "avx2": 512}  # "avx2": the fp32 path
 TILE_COLS = 64  # output columns per kernel tile: N is padded to a multiple of this
+# The AVX2 path's bf16 weights: stored position -> column within a group of 16, as the
+# kernel's unpacks within 128-bit lanes put them back in order (small_batch_linear_f32.cpp).
+BF16_COLUMN_ORDER = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]
 
 
 @functools.cache
@@ -49,13 +52,16 @@ def bf16_paths() -> list[str]:
 
 class SmallBatchWeight:
     """A weight packed for kvserve's kernel, N padded to 64 columns: [N/16, K/p, 16, p], p the
-    K values per 32-bit lane (bf16: K in pairs; fp32: one)."""
+    K values per 32-bit lane (bf16 dot products: K in pairs; the AVX2 path: one, its bf16
+    weights widened to fp32 in registers, its columns in BF16_COLUMN_ORDER)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, isa: str):
         n, k = weight.shape
-        per_lane = 4 // weight.element_size()
-        w = F.pad(weight.detach(), (0, 0, 0, -n % TILE_COLS))
-        self.packed = w.view(-1, 16, k // per_lane, per_lane).permute(0, 2, 1, 3).contiguous()
+        per_lane = 1 if isa == "avx2" else 4 // weight.element_size()
+        w = F.pad(weight.detach(), (0, 0, 0, -n % TILE_COLS)).view(-1, 16, k // per_lane, per_lane)
+        if isa == "avx2" and weight.dtype == torch.bfloat16:
+            w = w[:, BF16_COLUMN_ORDER]
+        self.packed = w.permute(0, 2, 1, 3).contiguous()
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features = n
         self.use_amx = isa == "amx"
@@ -64,9 +70,10 @@ class SmallBatchWeight:
 
     @staticmethod
     def fits(weight: torch.Tensor, isa: str) -> bool:
-        """fp32 for the AVX2 path; bf16 with K in pairs for the others, in slices of 32 for AMX tiles."""
+        """fp32 or bf16 for the AVX2 path (which computes in fp32); bf16 with K in pairs for the
+        others, in slices of 32 for AMX tiles."""
         if isa == "avx2":
-            return weight.dtype == torch.float32
+            return weight.dtype in (torch.float32, torch.bfloat16)
         return bool(isa) and weight.dtype == torch.bfloat16 and weight.shape[1] % (32 if isa == "amx" else 2) == 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 from kvserve.platforms.cpu import CpuPlatform
 from kvserve.platforms.interface import Platform
 
@@ -38,7 +39,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def get_platform(device: str, dtype: str) -> Platform:
-    """The platform for an `EngineConfig`'s device and dtype ('auto' resolved here)."""
+    """The platform for an `EngineConfig`'s device and dtype ('auto' resolved here).
+
+    'auto' on a CPU without bf16 arithmetic computes in fp32 on weights rounded to bf16, where
+    the small-batch kernel reads them as bf16 (its AVX2 path): a decode step is bound by
+    reading the weights, so it reads half, and the weights hold what bf16 hosts run with.
+    'float32' keeps the weights as loaded."""
     resolved = resolve_device(device)
-    kind = CpuPlatform if resolved.type == "cpu" else Platform
-    return kind(resolved, resolve_dtype(dtype, resolved))
+    if resolved.type != "cpu":
+        return Platform(resolved, resolve_dtype(dtype, resolved))
+    compute = resolve_dtype(dtype, resolved)
+    bf16_weights = dtype == "auto" and compute == torch.float32 and small_batch_isa(torch.float32) == "avx2"
+    return CpuPlatform(resolved, compute, torch.bfloat16 if bf16_weights else None)

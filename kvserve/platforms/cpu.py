@@ -53,7 +53,13 @@ class CpuPlatform(Platform):
         return self.dtype in (torch.float32, torch.bfloat16) and available()
 
     def prepare(self, model: nn.Module) -> None:
-        """Pack the projections (and the head) once, then run the layers in C++ where every op can."""
+        """Round the matrices to `weight_dtype`, pack the projections (and the head) once, then run
+        the layers in C++ where every op can."""
+        if self.weight_dtype is not None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    if p.dim() == 2:  # matrices: projections, embeddings (norms stay fp32)
+                        p.copy_(p.to(self.weight_dtype))
         if not can_pack(self.dtype, self.device):
             return
         model.pack_linears()

@@ -17,7 +17,13 @@ from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 @dataclass
 class Platform:
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # activations and the KV cache
+    weight_dtype: torch.dtype | None = None  # narrower values the matrices are rounded to (None: dtype)
+
+    @property
+    def weights(self) -> torch.dtype:
+        """The dtype whose values the weights hold."""
+        return self.weight_dtype or self.dtype
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
         return TorchAttention()
@@ -31,4 +37,5 @@ class Platform:
         return None
 
     def prepare(self, model: nn.Module) -> None:
-        """After loading: whatever makes the model faster here without changing its outputs."""
+        """After loading: whatever makes the model faster here without changing its outputs
+        (beyond the rounding to `weight_dtype`)."""

@@ -10,6 +10,13 @@
 // stream and each 64-byte line is one k of its 16 columns, two vectors of 8. Rows of x go
 // kRowBlock at a time against a group (two accumulators a row); the next rows find the
 // group in L1/L2. The threads split the groups.
+//
+// At a few rows the kernel only waits for the weight: the same loop also reads weights
+// stored as bf16 (half the bytes), widened to fp32 in registers, x and the sums staying
+// fp32. One k of a bf16 group is one 32-byte load; unpacking its 16-bit halves against
+// zero gives fp32 exactly (bf16 is fp32's top half), and because the unpacks work within
+// 128-bit lanes the columns are stored in the order they undo (`BF16_COLUMN_ORDER` in
+// small_batch_linear.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -34,9 +41,21 @@ constexpr int kRowBlock = 6;        // 12 accumulators + 2 weight vectors + 1 br
 // to 21-24 ms, cold (the hardware prefetcher alone falls behind with FMAs in between).
 constexpr int64_t kPrefetchLines = 16;
 
+// One k of a group's 16 columns as two fp32 vectors (columns 0-7, 8-15).
+inline void load_k(const float* w, __m256& w0, __m256& w1) {
+  w0 = _mm256_loadu_ps(w);
+  w1 = _mm256_loadu_ps(w + 8);
+}
+
+inline void load_k(const at::BFloat16* w, __m256& w0, __m256& w1) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), zero = _mm256_setzero_si256();
+  w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));  // stored positions 0-3, 8-11
+  w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));  // stored positions 4-7, 12-15
+}
+
 // out[r, col0 .. col0 + cols) = x[r] . group (+ bias) for the R rows at x; w: the group, [K, 16].
-template <int R>
-void group_rows(const float* x, int64_t xs, const float* w, int64_t k, float* out, int64_t os, int64_t cols,
+template <int R, typename W>
+void group_rows(const float* x, int64_t xs, const W* w, int64_t k, float* out, int64_t os, int64_t cols,
                 const float* bias) {
   static_assert(R >= 1 && R <= kRowBlock);
   // Named accumulators, not an array: with an array GCC also stored every accumulator to
@@ -51,7 +70,8 @@ void group_rows(const float* x, int64_t xs, const float* w, int64_t k, float* ou
   }
   for (int64_t j = 0; j < k; ++j) {
     _mm_prefetch(reinterpret_cast<const char*>(w + (j + kPrefetchLines) * kGroupCols), _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(w + j * kGroupCols), w1 = _mm256_loadu_ps(w + j * kGroupCols + 8);
+    __m256 w0, w1;
+    load_k(w + j * kGroupCols, w0, w1);
     KVSERVE_ROW(0) KVSERVE_ROW(1) KVSERVE_ROW(2) KVSERVE_ROW(3) KVSERVE_ROW(4) KVSERVE_ROW(5)
   }
 #undef KVSERVE_ROW
@@ -64,39 +84,51 @@ void group_rows(const float* x, int64_t xs, const float* w, int64_t k, float* ou
   }
 }
 
-using GroupRows = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*);
+template <typename W>
+using GroupRows = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, const float*);
 
-template <int... Rs>
-GroupRows pick(int rows, std::integer_sequence<int, Rs...>) {
-  GroupRows f = nullptr;
-  ((rows == Rs + 1 ? (f = &group_rows<Rs + 1>, true) : false) || ...);
+template <typename W, int... Rs>
+GroupRows<W> pick(int rows, std::integer_sequence<int, Rs...>) {
+  GroupRows<W> f = nullptr;
+  ((rows == Rs + 1 ? (f = &group_rows<Rs + 1, W>, true) : false) || ...);
   return f;
+}
+
+template <typename W>
+void run_groups(float* op, const float* xp, const W* wp, const float* bias, int64_t m, int64_t k, int64_t n,
+                int64_t xs, int64_t os) {
+  const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t col = g * kGroupCols, cols = std::min(kGroupCols, n - col);
+      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
+        const int rows = static_cast<int>(std::min<int64_t>(kRowBlock, m - r0));
+        pick<W>(rows, std::make_integer_sequence<int, kRowBlock>{})(
+            xp + r0 * xs, xs, wp + g * k * kGroupCols, k, op + r0 * os + col, os, cols, bias ? bias + col : nullptr);
+      }
+    }
+  });
 }
 
 }  // namespace
 
 void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "fp32 x, weight and out");
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
+                  (bf16 || packed.scalar_type() == at::kFloat),
+              "fp32 x and out, fp32 or bf16 weight");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows of x must be contiguous");
   TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kGroupCols && packed.size(3) == 1,
               "weight must be packed as [N/16, K, 16, 1]");
   const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
   TORCH_CHECK(packed.size(1) == k && n <= packed.size(0) * kGroupCols, "shape mismatch");
   const float* xp = x.const_data_ptr<float>();
-  const float* wp = packed.const_data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t xs = x.stride(0), os = out.stride(0), groups = (n + kGroupCols - 1) / kGroupCols;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t col = g * kGroupCols, cols = std::min(kGroupCols, n - col);
-      for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRowBlock, m - r0));
-        pick(rows, std::make_integer_sequence<int, kRowBlock>{})(xp + r0 * xs, xs, wp + g * k * kGroupCols, k,
-                                                                 op + r0 * os + col, os, cols, bias ? bias + col : nullptr);
-      }
-    }
-  });
+  if (bf16) {
+    run_groups(op, xp, packed.const_data_ptr<at::BFloat16>(), bias, m, k, n, x.stride(0), out.stride(0));
+  } else {
+    run_groups(op, xp, packed.const_data_ptr<float>(), bias, m, k, n, x.stride(0), out.stride(0));
+  }
 }
 
 #else

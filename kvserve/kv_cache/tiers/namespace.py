@@ -1,7 +1,8 @@
 """What a stored block's K/V depend on besides its tokens: the namespace of a tier key.
 
-Two engines share stored blocks only if they agree on the model's weights, the KV
-dtype, the block size and the KV layout, and on kvserve's record format. Each of
+Two engines share stored blocks only if they agree on the model's weights (and the dtype
+they were rounded to), the KV dtype, the block size and the KV layout, and on kvserve's
+record format. Each of
 these enters the namespace digest, and the digest enters every tier key and record.
 """
 
@@ -22,6 +23,7 @@ class Namespace:
     kv_dtype: str  # "float32", "bfloat16", ...
     block_size: int
     block_shape: tuple[int, ...]  # one block's payload: (layers, 2, block_size, kv_heads, head_dim)
+    weight_dtype: str | None = None  # what the weights were rounded to, if narrower than kv_dtype
     kv_layout_version: int = KV_LAYOUT_VERSION
     format_version: int = FORMAT_VERSION
 
