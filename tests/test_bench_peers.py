@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -101,9 +102,10 @@ def test_cli_flags_become_the_config(tmp_path):
     args = build_parser().parse_args(
         ["--out", str(tmp_path), "--engines", "kvserve, llama", "--kvserve-args", "--dtype float32",
          "--step-batch-sizes", "--anchors-dir", str(tmp_path), "--anchors", str(tmp_path), "--num-requests", "3",
-         "--client-check-runs", "2", "--client-check-requests", "5", "--repeat", "3"]
+         "--client-check-runs", "2", "--client-check-requests", "5", "--repeat", "3", "--vllm-dtype", "float32"]
     )  # fmt: skip
     cfg = peers.config_from_args(args)
+    assert cfg.vllm_dtype == "float32"
     assert cfg.engines == ("kvserve", "llama") and cfg.kvserve_args == ("--dtype", "float32")
     assert cfg.step_batch_sizes == () and cfg.num_requests == 3 and cfg.num_prompts_sharegpt == 200
     assert cfg.client_check_runs == 2 and cfg.client_check_requests == 5 and cfg.repeat == 3
@@ -133,10 +135,19 @@ def test_jobs_use_the_same_client_and_the_start_scripts(tmp_path):
     assert kvserve_jobs["bench-serve-c8-check1"].json_file.name == "kvserve-bench-serve-c8-check1.json"
 
     argv, env = peers.server_argv("vllm", cfg, 8123)
+    vllm_bf16 = cfg.anchors / "models" / "smollm2-135m"
     assert argv == ["bash", str(tmp_path / "scripts" / "start_vllm_server.sh")]
-    assert env == {"ANCHORS": str(cfg.anchors), "PORT": "8123"}
+    assert env == {"ANCHORS": str(cfg.anchors), "PORT": "8123", "DTYPE": "bfloat16", "MODEL": str(vllm_bf16)}
+    _, env = peers.server_argv("vllm", replace(cfg, vllm_dtype="float32"), 8123)  # the start script's fp32 run
+    assert (env["DTYPE"], env["MODEL"]) == ("float32", str(cfg.anchors / "models" / "smollm2-135m-fp32"))
+    with pytest.raises(ValueError, match="--vllm-dtype"):
+        replace(cfg, vllm_dtype="float16")
     argv, env = peers.server_argv("kvserve", config(tmp_path, model="tiny", kvserve_args=("--dtype", "float32")), 5)
-    assert argv[3:] == ["serve", "--port", "5", "--model", "tiny", "--dtype", "float32"] and env == {}
+    assert argv[3:8] == ["serve", "--port", "5", "--model", "tiny"] and argv[-2:] == ["--dtype", "float32"]
+    disk = Path(argv[argv.index("--kv-disk-dir") + 1])  # the disk tier starts empty, as the peers' caches do
+    assert disk.is_dir() and not any(disk.iterdir()) and env == {}
+    again = peers.server_argv("kvserve", config(tmp_path), 6)[0]
+    assert again[again.index("--kv-disk-dir") + 1] != str(disk)  # each command a folder of its own
 
 
 def test_offline_jobs(tmp_path):
@@ -147,10 +158,15 @@ def test_offline_jobs(tmp_path):
         "bench", "throughput", "--workload", "random", "--num-prompts", "32", "--input-len", "256",
         "--output-len", "128",
     ]  # fmt: skip
-    assert kv["step"].json_file is not None and kv["step"].argv[-4:-2] == ["1", "64"]
+    step = kv["step"].argv
+    assert kv["step"].json_file is not None and step[step.index("--batch-sizes") + 1 :][:2] == ["1", "64"]
     vllm = {j.run: j for j in peers.offline_jobs("vllm", cfg, tmp_path / "r.json")}
     assert vllm["offline-random"].argv[0] == str(cfg.anchors / "vllm-venv/bin/python")
     assert vllm["offline-random"].env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    bf16 = vllm["offline-random"].argv
+    assert bf16[2:6] == ["--model", str(cfg.anchors / "models/smollm2-135m"), "--dtype", "bfloat16"]
+    fp32 = peers.offline_jobs("vllm", replace(cfg, vllm_dtype="float32"), None)[0].argv
+    assert fp32[2:6] == ["--model", str(cfg.anchors / "models/smollm2-135m-fp32"), "--dtype", "float32"]
     assert vllm["offline-sharegpt"].argv[1] == str(peers.ADAPTER)
     assert [j.run for j in peers.offline_jobs("vllm", cfg, None)] == ["offline-random"]
     assert peers.offline_jobs("llama", cfg, None) == []

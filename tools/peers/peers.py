@@ -24,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -40,6 +41,8 @@ ANCHORS_DIR_ENV = "KVSERVE_ANCHORS_DIR"  # the anchors' scripts: bench_client.py
 PEERS = tuple(e for e in ENGINES if e != "kvserve")
 ADAPTER = Path(__file__).with_name("vllm_sharegpt_adapter.py")
 # vllm_offline.py's docstring: the start script's settings, for the offline engine
+# vLLM's checkpoint per dtype, as the anchors' setup.sh converts them
+VLLM_MODELS = {"bfloat16": "smollm2-135m", "float32": "smollm2-135m-fp32"}
 VLLM_OFFLINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "4",
     "VLLM_CPU_OMP_THREADS_BIND": "0-1",  # both cores; "auto" leaves one thread
@@ -58,6 +61,7 @@ class PeersConfig:
     anchors_dir: Path | None = None  # the anchors' scripts; None: $KVSERVE_ANCHORS_DIR (checked once needed)
     model: str | None = None  # kvserve's model; None: its default (SmolLM2-135M)
     kvserve_args: tuple[str, ...] = ()  # engine flags for every kvserve command
+    vllm_dtype: str = "bfloat16"  # float32 where the CPU has no bf16 arithmetic (AVX2 only): faster there
     skip_offline: bool = False
     skip_serving: bool = False
     num_prompts: int = 32  # offline random workload
@@ -86,6 +90,8 @@ class PeersConfig:
             raise ValueError(f"--client-check-runs must be >= 1, got {self.client_check_runs}")
         if self.repeat < 1:
             raise ValueError(f"--repeat must be >= 1, got {self.repeat}")
+        if self.vllm_dtype not in VLLM_MODELS:
+            raise ValueError(f"--vllm-dtype takes {' or '.join(VLLM_MODELS)}, got {self.vllm_dtype!r}")
         if self.client_check_requests < 1:
             raise ValueError(f"--client-check-requests must be >= 1, got {self.client_check_requests}")
         self.anchors = self.anchors or env_path(ANCHORS_ENV)
@@ -180,7 +186,11 @@ class Job:
 def kvserve_argv(cfg: PeersConfig, *argv: str) -> list[str]:
     # `python -m` with this interpreter: the same install as this process, whatever is on PATH
     model = ["--model", cfg.model] if cfg.model else []
-    return [sys.executable, "-m", "kvserve.entrypoints.cli", *argv, *model, *cfg.kvserve_args]
+    # the disk tier (on by default) in an empty folder of each command's own: the peers start with
+    # nothing cached, and a run's prompts would otherwise be hits for the next run with the same seed
+    cfg.work.mkdir(parents=True, exist_ok=True)
+    disk = ["--kv-disk-dir", tempfile.mkdtemp(prefix="kvserve-disk-tier-", dir=cfg.work)]
+    return [sys.executable, "-m", "kvserve.entrypoints.cli", *argv, *model, *disk, *cfg.kvserve_args]
 
 
 def offline_jobs(engine: str, cfg: PeersConfig, sharegpt_file: Path | None) -> list[Job]:
@@ -211,7 +221,7 @@ def kvserve_offline_jobs(cfg: PeersConfig) -> list[Job]:
 def vllm_offline_jobs(cfg: PeersConfig, sharegpt_file: Path | None) -> list[Job]:
     assert cfg.anchors is not None and cfg.anchors_dir is not None
     python = str(peer_binary(cfg.anchors, "vllm"))
-    model = ["--model", str(cfg.anchors / "models" / "smollm2-135m"), "--dtype", "bfloat16"]
+    model = ["--model", str(vllm_model(cfg)), "--dtype", cfg.vllm_dtype]
     env = VLLM_OFFLINE_ENV | {"ANCHORS": str(cfg.anchors)}
     sizes = ["--num-prompts", str(cfg.num_prompts), "--input-len", str(cfg.input_len)]
     offline = [python, str(cfg.anchors_dir / "vllm_offline.py"), *model, *sizes, "--output-len", str(cfg.output_len)]
@@ -220,6 +230,11 @@ def vllm_offline_jobs(cfg: PeersConfig, sharegpt_file: Path | None) -> list[Job]
         adapter = [python, str(ADAPTER), "--requests", str(sharegpt_file), *model]
         jobs.append(Job("vllm", "offline-sharegpt", adapter, env))
     return jobs
+
+
+def vllm_model(cfg: PeersConfig) -> Path:
+    assert cfg.anchors is not None
+    return cfg.anchors / "models" / VLLM_MODELS[cfg.vllm_dtype]
 
 
 def client_jobs(engine: str, cfg: PeersConfig, url: str) -> list[Job]:
@@ -263,7 +278,10 @@ def server_argv(engine: str, cfg: PeersConfig, port: int) -> tuple[list[str], di
         return kvserve_argv(cfg, "serve", "--port", str(port)), {}
     assert cfg.anchors_dir is not None
     script = {"vllm": "start_vllm_server.sh", "llama": "start_llama_server.sh"}[engine]
-    return ["bash", str(cfg.anchors_dir / script)], {"ANCHORS": str(cfg.anchors), "PORT": str(port)}
+    env = {"ANCHORS": str(cfg.anchors), "PORT": str(port)}
+    if engine == "vllm":  # the start script's own variables
+        env |= {"DTYPE": cfg.vllm_dtype, "MODEL": str(vllm_model(cfg))}
+    return ["bash", str(cfg.anchors_dir / script)], env
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -586,6 +604,11 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default: ${ANCHORS_DIR_ENV}); needed unless nothing runs them")  # fmt: skip
     p.add_argument("--model", default=None, help="kvserve's model (default: its default, SmolLM2-135M)")
     p.add_argument("--kvserve-args", default="", help="engine flags for every kvserve command, e.g. '--dtype bfloat16'")
+    p.add_argument(
+        "--vllm-dtype",
+        default=d["vllm_dtype"],
+        help="vLLM's dtype: bfloat16 (the start script's), or float32 where the CPU has no bf16 arithmetic",
+    )
     p.add_argument("--skip-offline", action="store_true", help="no bench throughput / step / vllm_offline.py")
     p.add_argument("--skip-serving", action="store_true", help="start no server")
     p.add_argument("--num-prompts", type=int, default=d["num_prompts"], help="offline random: prompts")

@@ -189,6 +189,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         for e in report["engines"]
     )
     kvserve_model = c.get("model") or "smollm2-135m (default)"
+    vllm_dtype = {"bfloat16": "bf16", "float32": "fp32"}[c.get("vllm_dtype", "bfloat16")]
     n = c["num_prompts_sharegpt"]
     sharegpt = f"ShareGPT {n} requests, the same token ids for kvserve and vLLM" if n > 0 else "no ShareGPT run"
     return [
@@ -196,7 +197,7 @@ def header_lines(report: dict[str, Any]) -> list[str]:
         "",
         f"Measured {report['date']} on {m['cpu']}, {m['cores']} cores, one engine at a time, "
         f"by `python tools/peers`. Model: SmolLM2-135M-Instruct (kvserve: {kvserve_model}, "
-        f"{kvserve_dtype(successful_results(report))}; vLLM bf16; llama-server BF16 GGUF).",
+        f"{kvserve_dtype(successful_results(report))}; vLLM {vllm_dtype}; llama-server BF16 GGUF).",
         "",
         f"Engines: {engines}.",
         "",
