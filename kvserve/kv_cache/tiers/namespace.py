@@ -2,8 +2,8 @@
 
 Two engines share stored blocks only if they agree on the model's weights (and the dtype
 they were rounded to), the KV dtype, the block size and the KV layout, and on kvserve's
-record format. Each of
-these enters the namespace digest, and the digest enters every tier key and record.
+record format. Each of these enters the namespace digest, and the digest enters every
+tier key and record.
 """
 
 from __future__ import annotations
