@@ -14,8 +14,7 @@ from test_server_common import TINY_ARGS, ServerThread
 
 from kvserve.config import EngineConfig
 from kvserve.engine.async_engine import AsyncLLMEngine
-from kvserve.engine.client import StepFailedError
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.entrypoints.llm import LLM
 from kvserve.sampling_params import SamplingParams
 

@@ -23,11 +23,10 @@ from kvserve.engine.client import (
     ModelInfo,
     QueueFullError,
     ReplicaInfo,
-    StepFailedError,
     StepHook,
 )
 from kvserve.engine.kv_state import KVState, KVStateFeed
-from kvserve.engine.llm_engine import LLMEngine
+from kvserve.engine.llm_engine import LLMEngine, StepFailedError
 from kvserve.logger import logger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams

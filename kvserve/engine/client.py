@@ -29,14 +29,6 @@ class EngineDeadError(RuntimeError):
     """The engine stopped after an error; no request can run (HTTP 503)."""
 
 
-class StepFailedError(RuntimeError):
-    """A step raised: its requests failed (HTTP 500) and were freed; the engine serves the rest."""
-
-    def __init__(self, request_ids: list[str], cause: BaseException):
-        super().__init__(f"the engine failed in a step of {len(request_ids)} request(s): {cause!r}")
-        self.request_ids = request_ids
-
-
 @dataclass(frozen=True)
 class ModelInfo:
     model: str  # as configured: a short name, a directory or a .gguf file

@@ -12,7 +12,6 @@ from torch.profiler import record_function
 
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
-from kvserve.engine.client import StepFailedError
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config, kv_slots
 from kvserve.engine.output_processor import OutputProcessor
@@ -35,6 +34,14 @@ from kvserve.outputs import RequestOutput
 from kvserve.platforms import get_platform
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.tokenizer import load_tokenizer
+
+
+class StepFailedError(RuntimeError):
+    """A step raised: its requests failed (HTTP 500) and were freed; the engine serves the rest."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the engine failed in a step of {len(request_ids)} request(s): {cause!r}")
+        self.request_ids = request_ids
 
 
 def check_invariants_enabled() -> bool:
