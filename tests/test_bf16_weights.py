@@ -28,12 +28,12 @@ PROMPTS = [list(range(100, 140)), list(range(300, 309))]
 def test_auto_rounds_the_weights_only_where_the_cpu_computes_in_fp32_on_the_avx2_kernel():
     auto = get_platform("cpu", "auto")
     if cpu_has_native_bf16():
-        assert (auto.dtype, auto.weight_dtype) == (torch.bfloat16, None)
+        assert (auto.dtype, auto.weight_dtype) == (torch.bfloat16, torch.bfloat16)
     else:
         assert auto.dtype == torch.float32
-        assert auto.weight_dtype == (torch.bfloat16 if AVX2_KERNEL else None)
+        assert auto.weight_dtype == (torch.bfloat16 if AVX2_KERNEL else torch.float32)
     exact = get_platform("cpu", "float32")
-    assert (exact.dtype, exact.weight_dtype, exact.weights) == (torch.float32, None, torch.float32)
+    assert (exact.dtype, exact.weight_dtype) == (torch.float32, torch.float32)
 
 
 @pytest.fixture(scope="module")

@@ -52,10 +52,11 @@ def main() -> None:
     torch.manual_seed(0)
     weights = [[(torch.randn(n, k) * 0.05).to(torch.bfloat16) for n, k in SMOLLM2_SHAPES] for _ in range(a.layers)]
     kernel = [[SmallBatchWeight(w, None, isa) for w in layer] for layer in weights]
-    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w.to(act), BATCH_SIZE_HINT) for w in layer] for layer in weights]
+    weights = [[w.to(act) for w in layer] for layer in weights]  # what oneDNN and F.linear multiply
+    onednn = [[torch.ops.mkldnn._reorder_linear_weight(w, BATCH_SIZE_HINT) for w in layer] for layer in weights]
     kernel_fp32 = []  # on AVX2: the same weights stored as fp32
     if isa == "avx2":
-        kernel_fp32 = [[SmallBatchWeight(w.float(), None, isa) for w in layer] for layer in weights]
+        kernel_fp32 = [[SmallBatchWeight(w, None, isa) for w in layer] for layer in weights]
     ks = [k for _, k in SMOLLM2_SHAPES]
 
     def kernel_pass(ops):
@@ -74,7 +75,7 @@ def main() -> None:
     def flinear_pass(x):
         for layer in weights:
             for w, k in zip(layer, ks, strict=True):
-                F.linear(x[k], w.to(act))
+                F.linear(x[k], w)
 
     passes = {"kvserve": kernel_pass(kernel)}
     if kernel_fp32:

@@ -58,7 +58,7 @@ class LLMEngine:
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
         platform = get_platform(config.device, config.dtype)
-        self.device, self.dtype, self.weight_dtype = platform.device, platform.dtype, platform.weights
+        self.device, self.dtype, self.weight_dtype = platform.device, platform.dtype, platform.weight_dtype
         model = load_model(model_dir, self.model_config, platform)
         self.kv_config = kv_cache_config(model, sliding_window_release=not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_blocks()
@@ -68,8 +68,9 @@ class LLMEngine:
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
         try:
-            store = make_kv_store(config, model_dir, slots, self.weight_dtype, sink) if cache_kind else None
-            self.store = store
+            self.store = (
+                make_kv_store(config, model_dir, slots, self.weight_dtype, sink) if cache_kind is not None else None
+            )
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
                 self.kv_events.close()

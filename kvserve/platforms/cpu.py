@@ -55,7 +55,7 @@ class CpuPlatform(Platform):
     def prepare(self, model: nn.Module) -> None:
         """Round the matrices to `weight_dtype`, pack the projections (and the head) once, then run
         the layers in C++ where every op can."""
-        if self.weight_dtype is not None:
+        if self.weight_dtype != self.dtype:
             with torch.no_grad():
                 for p in model.parameters():
                     if p.dim() == 2:  # matrices: projections, embeddings (norms stay fp32)

@@ -18,12 +18,10 @@ from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 class Platform:
     device: torch.device
     dtype: torch.dtype  # activations and the KV cache
-    weight_dtype: torch.dtype | None = None  # narrower values the matrices are rounded to (None: dtype)
+    weight_dtype: torch.dtype | None = None  # what the matrices' values are rounded to (None: dtype)
 
-    @property
-    def weights(self) -> torch.dtype:
-        """The dtype whose values the weights hold."""
-        return self.weight_dtype or self.dtype
+    def __post_init__(self) -> None:
+        self.weight_dtype = self.weight_dtype or self.dtype
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
         return TorchAttention()
