@@ -15,8 +15,9 @@ import xxhash
 
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.prefix_cache import extra_key
+from kvserve.kv_cache.tiers import disk as disk_module
 from kvserve.kv_cache.tiers import record
-from kvserve.kv_cache.tiers.arena import MAX_CHUNK_SLOTS
+from kvserve.kv_cache.tiers.arena import MAX_CHUNK_SLOTS, SlotArena
 from kvserve.kv_cache.tiers.disk import DiskTier
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
@@ -117,6 +118,17 @@ def test_host_arena_reuses_the_slots_of_dropped_blocks():
     assert host.arena.num_slots - host.arena.num_free == 3 and host.arena.num_slots <= MAX_CHUNK_SLOTS  # one mapping
 
 
+def test_a_bounded_arena_says_no_when_full_and_yes_once_a_buffer_is_dropped():
+    arena = SlotArena(100, max_bytes=100 * MAX_CHUNK_SLOTS)  # one mapping
+    taken = [arena.take() for _ in range(MAX_CHUNK_SLOTS)]
+    assert arena.try_take() is None and arena.num_slots == MAX_CHUNK_SLOTS
+    with pytest.raises(MemoryError, match="slot arena full"):
+        arena.take()
+    taken.pop()
+    assert arena.try_take() is not None and arena.num_slots == MAX_CHUNK_SLOTS
+    arena.close()
+
+
 # --- disk
 
 
@@ -192,6 +204,33 @@ def test_disk_flipped_byte_is_a_counted_miss_and_the_file_goes(tmp_path: Path):
     assert disk.stats.errors["corrupt"] == 1 and disk.stats.hits == 1
     assert not path.exists() and disk.contains([key(0)]) == 0 and disk.used_bytes == FILE
     assert disk.available  # a bad record is not an I/O fault
+
+
+def test_disk_reads_into_recycled_slots_and_past_them_into_fresh_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(disk_module, "READ_ARENA_BYTES", (FILE + 1) * MAX_CHUNK_SLOTS)  # one mapping
+    disk = DiskTier(tmp_path, (MAX_CHUNK_SLOTS + 10) * FILE, NS)
+    n = MAX_CHUNK_SLOTS + 5
+    disk.put([(key(i), payload(i)) for i in range(n)])
+    arena = disk._read_arena
+    got = disk.get([key(i) for i in range(n)])
+    assert [bytes(p) for p in got] == [payload(i) for i in range(n)]
+    assert all(arena.owns(p.obj) for p in got[:MAX_CHUNK_SLOTS]) and not any(arena.owns(p.obj) for p in got[-5:])
+    assert arena.num_free == 0
+    del got
+    assert arena.num_free == arena.num_slots == MAX_CHUNK_SLOTS  # every slot back once the loads are dropped
+    first = disk.get([key(0)])[0]
+    assert bytes(first) == payload(0) and arena.num_free == MAX_CHUNK_SLOTS - 1
+
+
+def test_disk_overlong_file_is_a_miss(tmp_path: Path):
+    disk = DiskTier(tmp_path, 10 * FILE, NS)
+    disk.put([(key(0), payload(0))])
+    with open(disk.path(key(0)), "ab") as f:
+        f.write(b"\0")
+    assert disk.get([key(0)]) == [None] and disk.stats.errors["corrupt"] == 1
+    assert disk._read_arena.num_free == disk._read_arena.num_slots  # the bad read's slot is back
 
 
 def test_disk_truncated_file_is_a_miss(tmp_path: Path):

@@ -9,6 +9,11 @@ a whole record or none; a record torn by a crash or flipped on disk fails its ch
 and is a miss. The index (key -> file size, oldest first) lives in memory and is rebuilt
 from the folder at start, in mtime order.
 
+Reads land in recycled buffers (a `SlotArena`): reading into fresh memory costs its first
+writes to fresh pages, which held a read from the page cache to ~1.6 GB/s under KVM
+against ~5 GB/s into memory already mapped. The arena holds only blocks being loaded,
+up to READ_ARENA_BYTES; a bigger load reads the rest into fresh memory.
+
 An I/O fault (disk full, permissions, a failing device) makes the tier step aside through
 a circuit breaker: reads miss and writes are dropped, at no cost, until a probe succeeds.
 """
@@ -23,6 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvserve.kv_cache.tiers import record
+from kvserve.kv_cache.tiers.arena import SlotArena
 from kvserve.kv_cache.tiers.base import KVTier
 from kvserve.kv_cache.tiers.breaker import BreakerState, CircuitBreaker
 from kvserve.kv_cache.tiers.namespace import Namespace
@@ -31,6 +37,8 @@ from kvserve.logger import logger
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 STALE_TMP_SECONDS = 60.0  # a write takes milliseconds: an older temporary file was left by a crash
+READ_WINDOW = 64  # files open at once in a get: the read-ahead's reach, well under the open-files limit
+READ_ARENA_BYTES = 256 << 20  # ~350 of SmolLM2's fp32 blocks, a 5.5k-token load
 
 
 class DiskTier(KVTier):
@@ -49,8 +57,10 @@ class DiskTier(KVTier):
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.namespace = namespace
         self.directory = Path(directory) / namespace.digest.hex()[:16]
+        self._folder = str(self.directory)
         self._capacity = capacity_bytes
         self._file_size = record.header_size(namespace) + namespace.block_nbytes
+        self._read_arena = SlotArena(self._file_size + 1, READ_ARENA_BYTES)  # one byte more shows an overlong file
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> file size, oldest first
         self._used = 0
         self._lock = threading.Lock()
@@ -82,9 +92,10 @@ class DiskTier(KVTier):
             return out
         fault: OSError | None = None
         try:
-            self._read_ahead([keys[i] for i in wanted])
-            for i in wanted:
-                out[i] = self._read(keys[i])
+            for start in range(0, len(wanted), READ_WINDOW):
+                window = wanted[start : start + READ_WINDOW]
+                for i, payload in zip(window, self._read_window([keys[i] for i in window]), strict=True):
+                    out[i] = payload
         except OSError as e:
             fault = e
         except BaseException:
@@ -143,46 +154,63 @@ class DiskTier(KVTier):
     def __len__(self) -> int:
         return len(self._index)
 
+    def close(self) -> None:
+        self._read_arena.close()
+
     # --- files
 
     def path(self, key: bytes) -> Path:
-        name = key.hex()
-        return self.directory / name[:2] / f"{name}{SUFFIX}"
+        return Path(self._path_str(key))
 
-    def _read_ahead(self, keys: list[bytes]) -> None:
-        """Ask the kernel for every file of a get at once: the device then serves them in
-        parallel, where reading one file after another waits for each in turn."""
-        for key in keys:
-            try:
-                fd = os.open(self.path(key), os.O_RDONLY)
-            except FileNotFoundError:
-                continue  # _read forgets it
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            finally:
-                os.close(fd)
+    def _path_str(self, key: bytes) -> str:
+        name = key.hex()  # a string, not a Path: pathlib's joins cost more than a block's read from the page cache
+        return f"{self._folder}/{name[:2]}/{name}{SUFFIX}"
 
-    def _read(self, key: bytes) -> memoryview | None:
-        """The payload, or None for a missing or bad file; raises OSError on an I/O fault."""
-        path = self.path(key)
+    def _read_window(self, keys: list[bytes]) -> list[memoryview | None]:
+        """Open every file of the window and ask the kernel for all of them at once: the device
+        then serves them in parallel, where reading one file after another waits for each."""
+        fds: list[int | None] = []
         try:
-            with open(path, "rb") as f:
-                data = f.read(self._file_size + 1)  # one byte more shows an overlong file
-        except FileNotFoundError:  # deleted behind our back (another engine's eviction, a cleanup)
-            self._forget(key)
-            return None
+            for key in keys:
+                try:
+                    fd = os.open(self._path_str(key), os.O_RDONLY)
+                except FileNotFoundError:  # deleted behind our back (another engine's eviction, a cleanup)
+                    fd = None
+                    self._forget(key)
+                else:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+                fds.append(fd)
+            return [None if fd is None else self._read(key, fd) for key, fd in zip(keys, fds, strict=True)]
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+
+    def _read(self, key: bytes, fd: int) -> memoryview | None:
+        """The payload, or None for a bad file; raises OSError on an I/O fault."""
+        data = self._read_file(fd)
         try:
             payload = record.decode(self.namespace, key, data)
         except record.BadRecord as e:
-            logger.debug("disk KV tier: bad record %s (%s), deleted", path.name, e)
+            logger.debug("disk KV tier: bad record %s (%s), deleted", key.hex(), e)
             self.stats.error("corrupt")
             self._forget(key)
-            self._unlink(path)
+            self._unlink(self.path(key))
             return None
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
         return payload
+
+    def _read_file(self, fd: int) -> memoryview | bytes:
+        """The file's bytes, up to one more than a record's size, in an arena slot if one is free."""
+        buf = self._read_arena.try_take()
+        if buf is None:
+            return os.read(fd, self._file_size + 1)
+        view, n = memoryview(buf), 0
+        while n < len(view) and (got := os.readv(fd, [view[n:]])):
+            n += got
+        return view[:n]
 
     def _write(self, key: bytes, view: memoryview) -> None:
         path = self.path(key)
