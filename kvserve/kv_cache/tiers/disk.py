@@ -12,7 +12,7 @@ from the folder at start, in mtime order.
 Reads land in recycled buffers (a `SlotArena`): reading into fresh memory costs its first
 writes to fresh pages, which held a read from the page cache to ~1.6 GB/s under KVM
 against ~5 GB/s into memory already mapped. The arena holds only blocks being loaded,
-up to READ_ARENA_BYTES; a bigger load reads the rest into fresh memory.
+up to READ_ARENA_BYTES; a bigger load reads the rest into fresh memory, the same way.
 
 An I/O fault (disk full, permissions, a failing device) makes the tier step aside through
 a circuit breaker: reads miss and writes are dropped, at no cost, until a probe succeeds.
@@ -202,12 +202,10 @@ class DiskTier(KVTier):
                 self._index.move_to_end(key)
         return payload
 
-    def _read_file(self, fd: int) -> memoryview | bytes:
+    def _read_file(self, fd: int) -> memoryview:
         """The file's bytes, up to one more than a record's size, in an arena slot if one is free."""
         buf = self._read_arena.try_take()
-        if buf is None:
-            return os.read(fd, self._file_size + 1)
-        view, n = memoryview(buf), 0
+        view, n = memoryview(bytearray(self._file_size + 1) if buf is None else buf), 0
         while n < len(view) and (got := os.readv(fd, [view[n:]])):
             n += got
         return view[:n]
