@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: serve test bench bench-peers clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py kvserve/kv_cache/csrc/block_keys.c
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# pinned: the CPU build that lies on this disk (an unpinned torch would pull a CUDA build)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
+import struct
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -15,7 +16,8 @@ from collections.abc import Sequence
 import pytest
 
 from kvserve.engine.request import Request
-from kvserve.kv_cache.block_keys import chain_keys
+from kvserve.kv_cache import block_keys
+from kvserve.kv_cache.block_keys import chain_keys, chain_keys_hashlib
 from kvserve.kv_cache.block_pool import KVCacheBlock
 from kvserve.kv_cache.hash_chain_cache import HashChainCache
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
@@ -625,7 +627,8 @@ def test_block_keys_are_the_same_in_another_process() -> None:
     assert done.stdout.strip() == str([k.hex() for k in chain_keys(b"", list(range(40)), 16, extra_key("t"))])
 
 
-def test_block_keys_are_sha256_of_parent_extra_key_and_little_endian_int64_tokens() -> None:
+@pytest.mark.parametrize("chain", [chain_keys, chain_keys_hashlib], ids=["c", "hashlib"])
+def test_block_keys_are_sha256_of_parent_extra_key_and_little_endian_int64_tokens(chain) -> None:
     """The definition other processes and stored tiers rely on: any change must bump the format version."""
     tokens = [0, 1, 2**40, 49151, 7, 8, 9, 10, 11]  # one id past 32 bits
     parent, expected = b"", []
@@ -633,4 +636,25 @@ def test_block_keys_are_sha256_of_parent_extra_key_and_little_endian_int64_token
         block = b"".join(t.to_bytes(8, "little") for t in tokens[i : i + 4])
         parent = hashlib.sha256(parent + b"extra" + block).digest()
         expected.append(parent)
-    assert chain_keys(b"", tokens, 4, b"extra") == expected
+    assert chain(b"", tokens, 4, b"extra") == expected
+
+
+def test_block_keys_come_from_the_c_loop_with_the_same_keys_as_hashlib() -> None:
+    """`make` builds the C loop (setup.py); without it a router misses its 1 ms decision budget."""
+    from kvserve.kv_cache import _block_keys  # noqa: F401 (fails here if the extension did not build)
+
+    assert block_keys.chain_keys is _block_keys.chain_keys
+    rng = random.Random(0)
+    for block_size in (1, 3, 16, 256):
+        tokens = [rng.randrange(-(2**63), 2**63) for _ in range(rng.randrange(4 * block_size))]
+        parent, extra = rng.randbytes(rng.choice((0, 32))), rng.randbytes(rng.choice((0, 32, 45)))
+        for seq in (tokens, tuple(tokens)):
+            assert chain_keys(parent, seq, block_size, extra) == chain_keys_hashlib(parent, seq, block_size, extra)
+
+
+@pytest.mark.parametrize("chain", [chain_keys, chain_keys_hashlib], ids=["c", "hashlib"])
+def test_block_keys_refuse_bad_input_by_name(chain) -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        chain(b"", [1, 2], 0, b"")
+    with pytest.raises((TypeError, struct.error)):  # struct.error from hashlib's packing, TypeError from C
+        chain(b"", [1, "2"], 2, b"")
