@@ -30,12 +30,13 @@ from kvserve.detokenizer import IncrementalDetokenizer
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv_cache.prefix_cache import extra_key
+from kvserve.router import request as request_module
 from kvserve.router.index import BlockIndex, SentBlocks
 from kvserve.router.migration import StreamProgress, upstream_body
 from kvserve.router.policy import CacheAware, Decision, make_policy, score
 from kvserve.router.proxy import PATHS
 from kvserve.router.replicas import EVENTS_STALE_AFTER, Flight, Replica, ServerInfo, State
-from kvserve.router.request import RoutedRequest
+from kvserve.router.request import RoutedRequest, Tokenization
 from kvserve.router.tokenizer import RouterTokenizer
 from kvserve.server.auth import cache_salt
 
@@ -829,3 +830,24 @@ def test_requests_not_yet_answered_are_retried_elsewhere(cluster):
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
     assert all(r.headers["x-kvserve-replica"] != "0" for r in responses)
     assert metrics(cluster.router.url)[retries] > before
+
+
+def test_short_prompts_are_tokenized_on_the_loop_and_long_ones_on_a_thread(tiny_model_dir, monkeypatch):
+    """A thread hop for a short prompt waits for the GIL behind the relayed streams: only long ones take it."""
+    tokenizer = RouterTokenizer.from_dir(tiny_model_dir)
+    hops = []
+
+    async def to_thread(fn, *args):
+        hops.append(fn.__name__)
+        return fn(*args)
+
+    monkeypatch.setattr(request_module.asyncio, "to_thread", to_thread)
+    tokenization = Tokenization(tokenizer=tokenizer, local=True)
+    short, long = "hello " * 10, "hello " * (request_module.INLINE_TOKENIZE_CHARS // 6 + 1)
+    for text in (short, long):
+        got = asyncio.run(tokenization.prompts("completion", {"prompt": text}, None))
+        assert got == [tokenizer.encode(text)]
+        chat = [{"role": "user", "content": text}]
+        got = asyncio.run(tokenization.prompts("chat", {"messages": chat}, None))
+        assert got == [tokenizer.encode_chat(chat)]
+    assert hops == ["encode", "encode_chat"]  # the long prompt's, in both forms

@@ -29,6 +29,9 @@ Kind = Literal["completion", "chat"]
 _MESSAGES = TypeAdapter(list[ChatCompletionMessageParam])
 # (the caller's Authorization header, the payload for POST /tokenize) -> token ids, or None if refused
 RemoteTokenize = Callable[[str | None, dict[str, Any]], Awaitable[list[int] | None]]
+# A prompt shorter than this (~1 ms to encode) is tokenized on the event loop: a worker thread
+# would wait for the GIL behind the streams the loop relays, up to its 5 ms switch interval.
+INLINE_TOKENIZE_CHARS = 2_000
 
 
 @dataclass
@@ -75,14 +78,15 @@ class Tokenization:
 
     async def _text(self, text: str, authorization: str | None) -> list[int]:
         if self.local and self.tokenizer is not None:
-            return await asyncio.to_thread(self.tokenizer.encode, text)
+            return await _off_loop_if_long(self.tokenizer.encode, text, len(text))
         self.on_fallback()
         return await self._remote(authorization, {"prompt": text})
 
     async def _chat(self, messages: list[dict[str, str]], authorization: str | None) -> list[int]:
         if self.local and self.tokenizer is not None:
             try:
-                return await asyncio.to_thread(self.tokenizer.encode_chat, messages)
+                chars = sum(len(str(v)) for m in messages for v in m.values())
+                return await _off_loop_if_long(self.tokenizer.encode_chat, messages, chars)
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 logger.info("router: chat template failed locally (%s); asking a replica", type(e).__name__)
         self.on_fallback()
@@ -93,6 +97,10 @@ class Tokenization:
         if ids is None:
             raise ValueError("no replica tokenized it")
         return ids
+
+
+async def _off_loop_if_long(encode: Callable[[Any], list[int]], prompt: Any, chars: int) -> list[int]:
+    return encode(prompt) if chars < INLINE_TOKENIZE_CHARS else await asyncio.to_thread(encode, prompt)
 
 
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:
