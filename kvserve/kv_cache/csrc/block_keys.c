@@ -1,6 +1,6 @@
 /* kvserve.kv_cache._block_keys.chain_keys: `block_keys.chain_keys` in one C call, same keys.
 
-hashlib reaches SHA-256 through OpenSSL 3's EVP layer, whose set-up per call costs about three
+hashlib reaches SHA-256 through OpenSSL 3's EVP layer, whose set-up per call costs about 2.5
 times the hashing of one block's ~200 bytes; a router hashes every block of every prompt, 512 for
 an 8k-token one. This loop calls OpenSSL's one-context SHA-256 functions instead, from the
 libcrypto that Python's own hashlib loads. They are declared here rather than taken from
