@@ -340,6 +340,11 @@ def test_strict_fields_refuses_unknown_ones_by_name(tiny_model_dir):
         chat = {"messages": [{"role": "user", "content": "hi", "weight": 2}]}
         r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, headers=auth)
         assert r.status_code == 400 and error_of(r)["param"] == "messages.0.weight"
+        chat |= {"router_hint": 1, "no_stop_trim": True}  # every one named, as a router adds several
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, headers=auth)
+        assert r.status_code == 400 and "unknown fields" in error_of(r)["message"]
+        message = error_of(r)["message"]
+        assert all(f"`{name}`" in message for name in ("router_hint", "no_stop_trim", "messages.0.weight"))
         ok = httpx.post(f"{s.url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=auth, timeout=30)
         assert ok.status_code == 200
         info = httpx.get(f"{s.url}/server_info").json()  # no key needed

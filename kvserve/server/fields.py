@@ -20,13 +20,16 @@ class UnknownFields:
         self.logged: set[str] = set()  # names already warned about (list indexes left out)
 
     def check(self, request: BaseModel) -> None:
-        """Raise a 400 naming the first unknown field under --strict-fields; else log new names."""
+        """Raise a 400 naming every unknown field under --strict-fields (`param`: the first);
+        else log new names."""
         paths = unknown_fields(request)
         if not paths:
             return
         if self.strict:
-            param = ".".join(map(str, paths[0]))
-            raise APIError(400, f"unknown field `{param}` (the server runs with --strict-fields)", param=param)
+            params = [".".join(map(str, path)) for path in paths]
+            names = ", ".join(f"`{p}`" for p in params)
+            message = f"unknown field{'s' if len(params) > 1 else ''} {names} (the server runs with --strict-fields)"
+            raise APIError(400, message, param=params[0])
         for path in paths:
             name = ".".join(p for p in path if isinstance(p, str))
             if name not in self.logged:
