@@ -106,6 +106,14 @@ def test_greedy_is_argmax() -> None:
     assert got == logits.argmax(dim=-1).tolist()
 
 
+def test_greedy_takes_the_first_maximum_and_a_nan_as_torch_does() -> None:
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([[1, 3, 3, 0], [1, nan, 5, nan], [-inf] * 4, [2, 2, 2, 2], [0, 0, inf, inf]])
+    reqs = [make_request(SamplingParams(temperature=0), request_id=f"r{i}") for i in range(len(logits))]
+    got = [t.token_id for t in Sampler()(logits, reqs)]
+    assert got == logits.max(dim=-1).indices.tolist() == [1, 1, 0, 0, 2]
+
+
 def test_sampler_does_not_modify_logits() -> None:
     logits = torch.randn(2, 10)
     before = logits.clone()
