@@ -26,7 +26,8 @@ from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, Torc
 # CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp32,
 # AVX2), the paged kernel's per-key dot products beat SDPA's matmuls on short chunks
 # (crossover at ~16-24 queries in bf16, ~32-48 in fp32, SmolLM2 shapes); longer chunks go to
-# SDPA's flash kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path).
+# SDPA's flash kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path),
+# unless their context is short (`PAGED_MAX_PREFILL_CONTEXT`).
 # The dot-product prefill kernel (AVX512-BF16, no AMX: AMD Zen 4 and 5) beat the paged kernel
 # on a Zen 5 from ~4 queries (SmolLM2, 1,000 cached: 0.13 vs 0.18 ms at 16 new, 0.10 vs 0.08
 # at 4; Gemma 3 from 4). A Zen 4 (512-bit operations at half rate) is not measured; on an
@@ -52,8 +53,8 @@ class CpuPagedAttention:
     """`AttentionBackend` for the CPU: the paged kernel for decodes; for the prefill chunks of
     a bf16 model with `prefill_kernel` ("amx" or "avx512_bf16": `kernels.prefill_attention.isa()`),
     the prefill kernel for the chunks past the limit (`KERNEL_MAX_PREFILL_QUERIES`: none on AMX);
-    elsewhere the paged kernel for short chunks and TorchAttention's SDPA for long ones, where
-    matmuls win."""
+    elsewhere the paged kernel for short chunks and chunks over short contexts, and
+    TorchAttention's SDPA for the rest, where matmuls win."""
 
     def __init__(self, max_prefill_queries: int | None = None, prefill_kernel: str = "") -> None:
         self.max_prefill_queries = max_prefill_queries  # None: KERNEL_MAX_PREFILL_QUERIES for the kernel used
