@@ -137,6 +137,15 @@ def test_mixed_batch_float32(max_prefill_queries):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_default_plan_float32_long_chunks_over_short_contexts():
+    """Without a prefill kernel the paged kernel takes hundreds of queries when their keys are few."""
+    batch = make_batch([7], [(0, 300), (700, 200), (1100, 40)], 9, 3, 64, torch.float32, seed=8)
+    plan = kernel_batch(batch[4], None, "")
+    assert plan.paged.query_lens.tolist() == [1, 300, 200] and [s.query_len for s in plan.torch_prefills] == [40]
+    out, ref = run_both(CpuPagedAttention(), *batch)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("max_prefill_queries", [16, 10**6])
 def test_mixed_batch_bfloat16(max_prefill_queries):
     batch = make_batch(*MIXED, 8, 2, 128, torch.bfloat16, seed=3)
