@@ -26,18 +26,12 @@ from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, Torc
 # CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp32,
 # AVX2), the paged kernel's per-key dot products beat SDPA's matmuls on short chunks
 # (crossover at ~16-24 queries in bf16, ~32-48 in fp32, SmolLM2 shapes); longer chunks go to
-# SDPA's flash kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path),
-# unless their context is short (`PAGED_MAX_PREFILL_CONTEXT`).
+# SDPA's flash kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path).
 # The dot-product prefill kernel (AVX512-BF16, no AMX: AMD Zen 4 and 5) beat the paged kernel
 # on a Zen 5 from ~4 queries (SmolLM2, 1,000 cached: 0.13 vs 0.18 ms at 16 new, 0.10 vs 0.08
 # at 4; Gemma 3 from 4). A Zen 4 (512-bit operations at half rate) is not measured; on an
 # AMX Xeon with AMX withheld the paged kernel won to 16.
 KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4, "amx": 0}
-# Without a prefill kernel, a chunk whose keys (its context) are at most this many goes to the
-# paged kernel too, however many queries it has: on an AVX2 EPYC (fp32, SmolLM2) 2,048-token
-# steps of fresh 256- and 1,024-token prompts ran 3-4% faster than through SDPA, while the
-# later 512-token chunks of a 4,096-token prompt ran 11% slower (a 2,048-token one alike).
-PAGED_MAX_PREFILL_CONTEXT = {"": 1024, "avx512_bf16": 0, "amx": 0}
 
 
 @dataclass
@@ -53,8 +47,8 @@ class CpuPagedAttention:
     """`AttentionBackend` for the CPU: the paged kernel for decodes; for the prefill chunks of
     a bf16 model with `prefill_kernel` ("amx" or "avx512_bf16": `kernels.prefill_attention.isa()`),
     the prefill kernel for the chunks past the limit (`KERNEL_MAX_PREFILL_QUERIES`: none on AMX);
-    elsewhere the paged kernel for short chunks and chunks over short contexts, and
-    TorchAttention's SDPA for the rest, where matmuls win."""
+    elsewhere the paged kernel for short chunks and TorchAttention's SDPA for long ones, where
+    matmuls win."""
 
     def __init__(self, max_prefill_queries: int | None = None, prefill_kernel: str = "") -> None:
         self.max_prefill_queries = max_prefill_queries  # None: KERNEL_MAX_PREFILL_QUERIES for the kernel used
@@ -93,13 +87,11 @@ class CpuPagedAttention:
 
 def kernel_batch(meta: AttentionMetadata, max_prefill_queries: int | None, prefill_kernel: str) -> KernelBatch:
     """Decodes (rows 0..nd of the flat batch), then the prefill chunks, split between the kernels:
-    those up to the limit (`max_prefill_queries`, else the kernel's defaults: queries, or keys
-    where there is no prefill kernel) to the paged kernel."""
+    those up to the limit (`max_prefill_queries`, else the kernel's default) to the paged kernel."""
     nd = meta.num_decode_tokens
     short_max = KERNEL_MAX_PREFILL_QUERIES[prefill_kernel] if max_prefill_queries is None else max_prefill_queries
-    context_max = PAGED_MAX_PREFILL_CONTEXT[prefill_kernel] if max_prefill_queries is None else 0
-    short = [s for s in meta.prefills if s.query_len <= short_max or s.context_len <= context_max]
-    rest = [s for s in meta.prefills if s.query_len > short_max and s.context_len > context_max]
+    short = [s for s in meta.prefills if s.query_len <= short_max]
+    rest = [s for s in meta.prefills if s.query_len > short_max]
     context_lens = meta.decode_context_lens[:nd].tolist() + [s.context_len for s in short]
     paged = KernelRows(
         block_tables=_stack_tables(meta.decode_block_tables[:nd], [s.block_table for s in short]),
