@@ -9,7 +9,6 @@ setup(
         Extension(
             "kvserve.kv_cache._block_keys",
             ["kvserve/kv_cache/csrc/block_keys.c"],
-            extra_compile_args=["-O2"],
             extra_link_args=["-l:libcrypto.so.3"],  # the runtime library itself: no -dev package needed
             optional=True,
         )

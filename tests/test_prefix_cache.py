@@ -641,7 +641,7 @@ def test_block_keys_are_sha256_of_parent_extra_key_and_little_endian_int64_token
 
 def test_block_keys_come_from_the_c_loop_with_the_same_keys_as_hashlib() -> None:
     """`make` builds the C loop (setup.py); without it a router misses its 1 ms decision budget."""
-    from kvserve.kv_cache import _block_keys  # noqa: F401 (fails here if the extension did not build)
+    from kvserve.kv_cache import _block_keys  # fails here if the extension did not build
 
     assert block_keys.chain_keys is _block_keys.chain_keys
     rng = random.Random(0)
@@ -656,5 +656,6 @@ def test_block_keys_come_from_the_c_loop_with_the_same_keys_as_hashlib() -> None
 def test_block_keys_refuse_bad_input_by_name(chain) -> None:
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         chain(b"", [1, 2], 0, b"")
-    with pytest.raises((TypeError, struct.error)):  # struct.error from hashlib's packing, TypeError from C
-        chain(b"", [1, "2"], 2, b"")
+    for tokens in ([1, "2"], [1, 2, 3, "4"]):  # the second: after a key is made
+        with pytest.raises((TypeError, struct.error)):  # struct.error from hashlib's packing, TypeError from C
+            chain(b"", tokens, 2, b"")

@@ -46,23 +46,16 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
     keys = PyList_New(num_blocks);
     if (packed == NULL || keys == NULL) {
         if (packed == NULL) PyErr_NoMemory();
-        Py_CLEAR(keys);
-        goto done;
+        goto fail;
     }
     _Alignas(64) unsigned char ctx[256];
     const unsigned char *prev = parent.buf;
     size_t prev_len = (size_t)parent.len;
     PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t b = 0; b < num_blocks; b++) {
-        if (pack_block(items + b * block_size, block_size, packed) < 0) {
-            Py_CLEAR(keys);
-            goto done;
-        }
+        if (pack_block(items + b * block_size, block_size, packed) < 0) goto fail;
         PyObject *key = PyBytes_FromStringAndSize(NULL, KEY_BYTES);
-        if (key == NULL) {
-            Py_CLEAR(keys);
-            goto done;
-        }
+        if (key == NULL) goto fail;
         unsigned char *digest = (unsigned char *)PyBytes_AS_STRING(key);
         SHA256_Init(ctx);
         SHA256_Update(ctx, prev, prev_len);
@@ -73,6 +66,9 @@ static PyObject *chain_keys(PyObject *self, PyObject *args) {
         prev = digest;
         prev_len = KEY_BYTES;
     }
+    goto done;
+fail:
+    Py_CLEAR(keys);
 done:
     PyMem_Free(packed);
     Py_XDECREF(seq);
