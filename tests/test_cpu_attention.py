@@ -181,58 +181,61 @@ def test_unsupported_head_dim_falls_back():
     assert isinstance(platform.attention_backend(64), CpuPagedAttention)
 
 
-# The prefill kernel (bf16), on every path this CPU runs (AMX tiles where granted; the
-# AVX512-BF16 dot products wherever that ISA is, an AMX host included): P is rounded to
-# bf16 before P V, as SDPA's flash kernel does, so it is held to SDPA-in-bf16's bounds
-# against the fp32 reference.
-PREFILL_PATHS = small_batch_linear.bf16_paths()
-needs_prefill_kernel = pytest.mark.skipif(not PREFILL_PATHS, reason="no AVX512-BF16: no prefill kernel here")
+# The prefill kernel on every path this CPU runs: fp32 with FMAs (built for any CPU; the engine
+# takes it on AVX2 hosts), held to fp32 rounding; bf16 on AMX tiles where granted and with the
+# AVX512-BF16 dot products wherever that ISA is (an AMX host included): P is rounded to bf16
+# before P V, as SDPA's flash kernel does, so it is held to SDPA-in-bf16's bounds against the
+# fp32 reference.
+PREFILL_PATHS = ["f32", *small_batch_linear.bf16_paths()]
 each_prefill_path = pytest.mark.parametrize("path", PREFILL_PATHS)
 CHUNKS = [(0, 2), (0, 40), (30, 10), (50, 37), (1000, 3), (100, 365), (16, 16), (17, 64)]
 
 
-@needs_prefill_kernel
+def assert_prefill_close(out, ref32, path):
+    if path == "f32":
+        torch.testing.assert_close(out, ref32, rtol=1e-5, atol=1e-5)
+    else:
+        torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
+
+
 @each_prefill_path
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
 @pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])
-def test_prefill_kernel_bfloat16(heads, kv_heads, head_dim, path):
-    batch = make_batch([3, 200], CHUNKS, heads, kv_heads, head_dim, torch.bfloat16, seed=5)
+def test_prefill_kernel(heads, kv_heads, head_dim, path):
+    batch = make_batch([3, 200], CHUNKS, heads, kv_heads, head_dim, prefill_attention.DTYPES[path], seed=5)
     backend = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path)
     out, ref32 = run_both(backend, *batch, reference_dtype=torch.float32)
     plan = batch[-1].backend_state
     assert plan.chunks is not None and not plan.torch_prefills  # every chunk took the kernel
-    torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
+    assert_prefill_close(out, ref32, path)
 
 
-@needs_prefill_kernel
 @each_prefill_path
 @pytest.mark.parametrize("chunk", [(500, 32), (0, 70), (37, 5), (300, 1)])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (8, 2), (4, 4)])
 def test_prefill_kernel_single_chunk(chunk, heads, kv_heads, path):
     """One chunk (a cache hit's turn): too few (sequence, KV head) pairs for the threads, so each
     pair's rows are split into several work items."""
-    batch = make_batch([], [chunk], heads, kv_heads, 64, torch.bfloat16, seed=7)
+    batch = make_batch([], [chunk], heads, kv_heads, 64, prefill_attention.DTYPES[path], seed=7)
     backend = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path)
     out, ref32 = run_both(backend, *batch, reference_dtype=torch.float32)
-    torch.testing.assert_close(out.float(), ref32, rtol=1e-2, atol=1e-2)
+    assert_prefill_close(out, ref32, path)
 
 
-@needs_prefill_kernel
 @each_prefill_path
 def test_prefill_kernel_without_sequences(path):
     """A call with no chunks does nothing (splitting rows over zero pairs divided by zero)."""
-    cache = torch.zeros(2, 4, BS, 3, 64, dtype=torch.bfloat16)
-    q = torch.zeros(0, 9, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 4, BS, 3, 64, dtype=prefill_attention.DTYPES[path])
+    q = torch.zeros(0, 9, 64, dtype=cache.dtype)
     none = torch.zeros(0, dtype=torch.long)
     rows = KernelRows(none.view(0, 1), none, none, none.int())
     prefill_attention.prefill_attention(q.clone(), q, cache, rows, 0.125, 0, use_amx=path == "amx")
 
 
-@needs_prefill_kernel
 @each_prefill_path
 def test_prefill_kernel_ignores_stale_slots(path):
     """Slots past a context may hold anything (NaN from a freed request): never read into the output."""
-    q, k, v, kv, meta = make_batch([], [(5, 20), (40, 33)], 9, 3, 64, torch.bfloat16, seed=6)
+    q, k, v, kv, meta = make_batch([], [(5, 20), (40, 33)], 9, 3, 64, prefill_attention.DTYPES[path], seed=6)
     ref = TorchAttention().forward(q.float(), k.float(), v.float(), kv.float(), meta)
     written = torch.zeros(kv.shape[1] * BS, dtype=torch.bool)
     written[meta.slot_mapping] = True
@@ -241,22 +244,49 @@ def test_prefill_kernel_ignores_stale_slots(path):
     poisoned = kv.clone()
     poisoned.view(2, -1, *kv.shape[3:])[:, ~written] = float("nan")
     out = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path).forward(q, k, v, poisoned, meta)
-    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)
+    assert_prefill_close(out, ref, path)
+
+
+def test_prefill_kernel_refuses_other_dtypes():
+    q = torch.zeros(4, 9, 64, dtype=torch.float16)
+    cache = torch.zeros(2, 4, BS, 3, 64, dtype=torch.float16)
+    one = torch.tensor([4])
+    rows = KernelRows(torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]), one, one.int())
+    with pytest.raises(RuntimeError, match="fp32 or bf16 only"):
+        prefill_attention.prefill_attention(q.clone(), q, cache, rows, 0.125, 0, use_amx=False)
 
 
 def test_chunks_split_between_kernels_by_path():
     """By default AMX takes every chunk; the dot products those past 4 queries (they won from ~4 on a
-    Zen 5), the paged kernel keeping the shorter ones; without a prefill kernel the paged kernel keeps
-    chunks up to 16 and SDPA takes the rest. An explicit limit holds on every path."""
+    Zen 5), the fp32 kernel those past 8 (from ~16 on AVX2 for fresh prompts, ~8 after a cached
+    prefix), the paged kernel keeping the shorter ones; without a prefill kernel the paged kernel
+    keeps chunks up to 16 and SDPA takes the rest. An explicit limit holds on every path."""
     *_, meta = make_batch([7], [(30, 4), (30, 5), (0, 16), (0, 17)], 9, 3, 64, torch.bfloat16)
     for path, paged, chunks in (
         ("amx", [1], [4, 5, 16, 17]),
         ("avx512_bf16", [1, 4], [5, 16, 17]),
+        ("f32", [1, 4, 5], [16, 17]),
         ("", [1, 4, 5, 16], None),
     ):
         plan = kernel_batch(meta, None, path)
         assert plan.paged.query_lens.tolist() == paged
         assert (plan.chunks and plan.chunks.query_lens.tolist()) == chunks
         assert [s.query_len for s in plan.torch_prefills] == ([17] if not path else [])
-    for path in ("amx", "avx512_bf16"):
+    for path in ("amx", "avx512_bf16", "f32"):
         assert kernel_batch(meta, 16, path).chunks.query_lens.tolist() == [17]
+
+
+@pytest.mark.parametrize("path, dtype", [("f32", torch.bfloat16), ("avx512_bf16", torch.float32)])
+def test_prefill_kernel_only_for_its_dtype(path, dtype):
+    """A chunk of another dtype than the path's goes where it would without a prefill kernel (SDPA)."""
+    *_, meta = make_batch([], [(0, 40)], 9, 3, 64, dtype)
+    plan = CpuPagedAttention(prefill_kernel=path).plan(meta, dtype, BS)
+    assert plan.chunks is None and [s.query_len for s in plan.torch_prefills] == [40]
+
+
+def test_fp32_prefill_kernel_where_dtype_auto_is_fp32():
+    """The engine takes the fp32 kernel on AVX2 builds only: the hosts whose dtype "auto" is fp32."""
+    isa = build.load().vector_isa()
+    assert prefill_attention.isa(torch.float32) == ("f32" if isa == "avx2" else "")
+    backend = CpuPlatform(torch.device("cpu"), torch.float32).attention_backend(64)
+    assert backend.prefill_kernel == prefill_attention.isa(torch.float32)

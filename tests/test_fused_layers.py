@@ -1,7 +1,8 @@
 """The C++ layer loop gives exactly what the Python layers give (bf16 and fp32), on every
 kind of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
 batches past the small-batch kernel's row limit (oneDNN); in bf16 on each kernel path the
-CPU has (AMX, or the AVX512-BF16 dot products, for matmuls and prefill attention alike)."""
+CPU has (AMX, or the AVX512-BF16 dot products, for matmuls and prefill attention alike); in
+fp32 with the fp32 prefill kernel where the host takes it (AVX2)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def generate(llm: LLM, fused: bool) -> list[tuple[list[int], list[float]]]:
 def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, model_type, dtype, isa, monkeypatch):
     monkeypatch.setattr(linear, "small_batch_isa", lambda dtype: isa)
     if dtype == "bfloat16":  # prefill attention on the same path (the dot products: its tiles' twin)
-        monkeypatch.setattr(prefill_attention, "isa", lambda: isa)
+        monkeypatch.setattr(prefill_attention, "isa", lambda dtype: isa)
     # 32-dim heads: the smallest the prefill kernel takes (the tiny model's 16 go to SDPA)
     model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type=model_type, hidden_size=128)
     llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB")
@@ -58,7 +59,9 @@ def test_fused_loop_matches_python_layers_bit_for_bit(tmp_path, smollm2_dir, mod
     small = model.layers[0].mlp.down_proj.small
     assert model.layer_loop is not None and (small is None) == (isa == "")
     assert small is None or small.use_amx == (isa == "amx")
-    assert dtype == "float32" or model.layer_loop.backend.prefill_kernel == isa
+    # fp32 prefill chunks take the fp32 kernel where the host's is AVX2 (the long prompt's chunk)
+    prefill = isa if dtype == "bfloat16" else prefill_attention.isa(torch.float32)
+    assert model.layer_loop.backend.prefill_kernel == prefill
     assert generate(llm, fused=True) == generate(llm, fused=False)
 
 

@@ -95,12 +95,13 @@ def test_paged_kernel_float32_matches_and_never_reads_past_the_window(decode_len
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not prefill_attention.supports(256), reason="prefill kernel unavailable (no AVX512-BF16)")
-@pytest.mark.parametrize("path", small_batch_linear.bf16_paths())
+@pytest.mark.parametrize("path", ["f32", *small_batch_linear.bf16_paths()])
 @pytest.mark.parametrize("decode_lens, prefills, window", CASES)
-def test_prefill_kernel_bf16_matches_and_never_reads_past_the_window(decode_lens, prefills, window, path):
-    q, k, v, kv, poisoned, meta = windowed_batch(decode_lens, prefills, window, head_dim=256, dtype=torch.bfloat16)
+def test_prefill_kernel_matches_and_never_reads_past_the_window(decode_lens, prefills, window, path):
+    dtype = prefill_attention.DTYPES[path]
+    q, k, v, kv, poisoned, meta = windowed_batch(decode_lens, prefills, window, head_dim=256, dtype=dtype)
     out = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path).forward(q, k, v, poisoned, meta)
     assert not out.isnan().any()
     ref = TorchAttention().forward(*(t.float() for t in (q, k, v, kv)), meta)
-    torch.testing.assert_close(out.float(), ref, rtol=1e-2, atol=1e-2)  # P in bf16, as test_cpu_attention allows
+    tol = 1e-5 if path == "f32" else 1e-2  # bf16: P in bf16, as test_cpu_attention allows
+    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)

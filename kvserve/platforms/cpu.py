@@ -39,7 +39,8 @@ from kvserve.platforms.interface import Platform
 class CpuPlatform(Platform):
     def attention_backend(self, head_dim: int) -> AttentionBackend:
         if paged_attention.supports(head_dim):
-            prefill = prefill_attention.isa() if prefill_attention.supports(head_dim) else ""
+            supported = prefill_attention.supports(head_dim, self.dtype)
+            prefill = prefill_attention.isa(self.dtype) if supported else ""
             return CpuPagedAttention(prefill_kernel=prefill)
         return TorchAttention()
 

@@ -5,7 +5,7 @@
 // 30 layers. Projections go to small_batch_linear up to its row limit (bf16 on
 // AVX512-BF16 or AMX, fp32 on AVX2; 0 rows where it has no path) and to oneDNN's
 // pre-packed matmul above it; attention to the kernels CpuPagedAttention picks:
-// paged_attention, prefill_attention, SDPA for long chunks without AVX512-BF16. Built
+// paged_attention, prefill_attention, SDPA for long chunks where there is no prefill path. Built
 // for bf16 and fp32 models whose every projection is packed, without q/k norm.
 
 #include <ATen/ATen.h>

@@ -1,6 +1,7 @@
-// Flash attention for prefill chunks of bf16 models, reading K/V in place through block
-// tables: on AMX tiles, or with AVX512-BF16 dot products (`vdpbf16ps`) where there is no
-// AMX (Zen 4) or it is withheld (KVSERVE_DISABLE_AMX=1).
+// Flash attention for prefill chunks, reading K/V in place through block tables: for bf16
+// models on AMX tiles, or with AVX512-BF16 dot products (`vdpbf16ps`) where there is no AMX
+// (Zen 4) or it is withheld (KVSERVE_DISABLE_AMX=1); for fp32 models with FMAs (namespace
+// f32 below: the same contract and online softmax, in simpler layouts).
 //
 // Same contract as paged_attention (see there): sequence s owns rows [start, start +
 // qlen) of q and out, its new tokens at the end of ctx tokens of context, and query i
@@ -11,7 +12,7 @@
 // Why: a chunk that follows a cached prefix otherwise goes to SDPA through a gathered
 // copy of the prefix and an additive mask; the tile unit does the two matmuls of each
 // step several times faster, and without it the dot products still skip the copy and the
-// mask. Both paths share the layouts, the online softmax and the work split; they differ
+// mask. Both bf16 paths share the layouts, the online softmax and the work split; they differ
 // only in the two products (`scores`, the end of `attend_step`). Layout choices, so that
 // nothing of the cache is transposed:
 // - query heads that share a KV head are folded into rows, query-major (row = i * group
@@ -38,6 +39,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "vec.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -45,6 +47,30 @@
 
 namespace kvserve {
 namespace {
+
+struct Item {
+  int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
+};
+
+// Items: (sequence, KV head, up to kRowTiles row tiles of kRows), longest contexts first so
+// the threads end together. With fewer (sequence, KV head) pairs than two per thread,
+// each pair's rows are split into that many parts: a cache hit's 32-token chunk was 3
+// items (one per KV head) for 2 threads, one of which ran two while the other waited.
+template <int64_t kRows, int64_t kRowTiles, typename P>
+std::vector<Item> make_items(const P& p, int64_t num_seqs, int64_t kv_heads) {
+  std::vector<Item> items;
+  const int64_t pairs = num_seqs * kv_heads, wanted = 2 * at::get_num_threads();
+  const int64_t parts = (wanted + pairs - 1) / std::max<int64_t>(pairs, 1);  // 1 where there are enough pairs
+  for (int64_t s = 0; s < num_seqs; ++s) {
+    const int64_t rows = p.query_lens[s] * p.group, tiles = (rows + kRows - 1) / kRows;
+    const int64_t span = kRows * std::clamp<int64_t>((tiles + parts - 1) / parts, 1, kRowTiles);
+    for (int64_t r0 = 0; r0 < rows; r0 += span)
+      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({s, h, r0, std::min(span, rows - r0)});
+  }
+  auto keys = [&](const Item& it) { return p.context_lens[it.seq] - p.query_lens[it.seq] + (it.row0 + it.rows) / p.group; };
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
+  return items;
+}
 
 #if defined(__AVX512BF16__)
 
@@ -69,10 +95,6 @@ struct Problem {
   int64_t group, head_dim;
   float scale_log2;  // softmax scale times log2(e): the softmax runs in base 2
   int64_t window;    // sliding window, 0 for none
-};
-
-struct Item {
-  int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
 };
 
 #if KVSERVE_AMX
@@ -373,66 +395,288 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
   for (int64_t t = 0; t < ntiles; ++t) store_rows(p, it, it.row0 + t * kRows, sc.tiles[t]);
 }
 
-// Items: (sequence, KV head, up to kRowTiles row tiles), longest contexts first so
-// the threads end together. With fewer (sequence, KV head) pairs than two per thread,
-// each pair's rows are split into that many parts: a cache hit's 32-token chunk was 3
-// items (one per KV head) for 2 threads, one of which ran two while the other waited.
-std::vector<Item> make_items(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
-  std::vector<Item> items;
-  const int64_t pairs = num_seqs * kv_heads, wanted = 2 * at::get_num_threads();
-  const int64_t parts = (wanted + pairs - 1) / std::max<int64_t>(pairs, 1);  // 1 where there are enough pairs
-  for (int64_t s = 0; s < num_seqs; ++s) {
-    const int64_t rows = p.query_lens[s] * p.group, tiles = (rows + kRows - 1) / kRows;
-    const int64_t span = kRows * std::clamp<int64_t>((tiles + parts - 1) / parts, 1, kRowTiles);
-    for (int64_t r0 = 0; r0 < rows; r0 += span)
-      for (int64_t h = 0; h < kv_heads; ++h) items.push_back({s, h, r0, std::min(span, rows - r0)});
-  }
-  auto keys = [&](const Item& it) { return p.context_lens[it.seq] - p.query_lens[it.seq] + (it.row0 + it.rows) / p.group; };
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) { return keys(a) > keys(b); });
-  return items;
+#endif
+
+// fp32 models (AVX2 hosts, where dtype "auto" is fp32): the same flash attention with
+// fused multiply-adds, folded query rows along the lanes, so the online softmax is again
+// element-wise across vectors. S^T's products broadcast four keys' values against two
+// vectors of Q^T's rows, P V's four rows' probabilities against two vectors of V rows:
+// eight FMAs for six loads. On a Zen 1 it ran at ~48 GFLOP/s, two-thirds of the FMA units'
+// peak, where SDPA's flash kernel reached a third.
+namespace f32 {
+
+constexpr int64_t kRows = 2 * W;  // folded query rows per tile: two vectors
+constexpr int64_t kStep = 32;     // keys per online-softmax step
+constexpr int64_t kRowTiles = 8;  // row tiles per work item, sharing each step's K/V rows in L1
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int64_t kKeys = 4;  // keys (S^T) or rows (P V) a product broadcasts at a time
+
+struct Problem {
+  const float* q;
+  float* out;
+  int64_t q_row, q_head, out_row, out_head;
+  const float* k;
+  const float* v;
+  int64_t c_block, c_token, c_head, block_size;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* query_start;
+  const int64_t* query_lens;
+  const int32_t* context_lens;
+  int64_t group, head_dim;
+  float scale_log2;
+  int64_t window;
+};
+
+// A row tile: its queries transposed and scaled, its unnormalised output and online softmax.
+// Key limits are floats, compared in lanes (exact below 2^24 keys).
+struct RowTile {
+  alignas(64) float qt[kMaxHeadDim][kRows];
+  alignas(64) float o[kRows][kMaxHeadDim];
+  alignas(64) float m[kRows], l[kRows], limit[kRows], lower[kRows];  // row sees keys [lower, limit)
+  int64_t min_limit, max_limit;
+};
+
+struct Scratch {
+  std::vector<RowTile> tiles = std::vector<RowTile>(kRowTiles);
+  alignas(64) float s[kStep][kRows];  // S^T of a step, then P
+  alignas(64) float alpha[kRows];
+  const float* k[kStep];  // the step's K and V rows
+  const float* v[kStep];
+};
+
+// 2^x for x <= 0: degree-5 polynomial on the fraction, the exponent put in by integer
+// adds (relative error ~2e-7); below -126 it gives 2^-126 (callers zero masked lanes).
+// Faster than Sleef's exp2 (Vectorized::exp2) by ~5-10% of the whole kernel on a Zen 1.
+inline fVec exp2_neg(fVec x) {
+  x = at::vec::maximum(x, fVec(-126.f));
+  const fVec n = x.round(), f = x - n;
+  fVec p(1.3333558e-3f);
+  p = at::vec::fmadd(p, f, fVec(9.6181291e-3f));
+  p = at::vec::fmadd(p, f, fVec(5.5504109e-2f));
+  p = at::vec::fmadd(p, f, fVec(2.4022651e-1f));
+  p = at::vec::fmadd(p, f, fVec(6.9314718e-1f));
+  p = at::vec::fmadd(p, f, fVec(1.f));
+  using iVec = at::vec::Vectorized<int32_t>;
+  const iVec bits = (at::vec::convert_to_int_of_same_size(n) + iVec(127)) << iVec(23);
+  return p * at::vec::cast<float>(bits);
 }
 
-#endif
+const float* key_row(const Problem& p, const float* base, int64_t seq, int64_t t, int64_t h) {
+  const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
+  return base + block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head;
+}
+
+void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) {
+  const int64_t qlen = p.query_lens[it.seq], ctx = p.context_lens[it.seq], end = it.row0 + it.rows;
+  for (int64_t r = 0; r < kRows; ++r) {
+    const int64_t row = std::min(row0 + r, end - 1), i = row / p.group;  // padding rows copy the last real one
+    const float* src = p.q + (p.query_start[it.seq] + i) * p.q_row + (it.head * p.group + row % p.group) * p.q_head;
+    for (int64_t c = 0; c < p.head_dim; ++c) rt.qt[c][r] = src[c] * p.scale_log2;
+    std::fill_n(rt.o[r], p.head_dim, 0.f);
+    const int64_t limit = ctx - qlen + i + 1;
+    rt.limit[r] = static_cast<float>(limit);
+    rt.lower[r] = static_cast<float>(p.window > 0 ? std::max<int64_t>(0, limit - p.window) : 0);
+    rt.m[r] = -std::numeric_limits<float>::infinity();
+    rt.l[r] = 0.f;
+  }
+  rt.min_limit = static_cast<int64_t>(rt.limit[0]), rt.max_limit = static_cast<int64_t>(rt.limit[kRows - 1]);
+}
+
+// GCC's vectors of fVec's width for the products: arrays of them stay in registers,
+// where GCC wrote arrays of Vectorized back to the stack after every FMA (the kernel ran
+// at the store port's pace).
+typedef float Vf __attribute__((vector_size(W * sizeof(float))));
+typedef float VfU __attribute__((vector_size(W * sizeof(float)), aligned(4), may_alias));
+inline Vf loadv(const float* p) { return *reinterpret_cast<const VfU*>(p); }
+inline void storev(float* p, Vf v) { *reinterpret_cast<VfU*>(p) = v; }
+
+// S^T of the step's n keys; the rest of the step -inf.
+void scores(const Problem& p, int64_t n, const RowTile& rt, Scratch& sc) {
+  for (int64_t j0 = 0; j0 < n; j0 += kKeys) {
+    const float* key[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) key[j] = sc.k[std::min(j0 + j, n - 1)];  // never past the context
+    Vf acc[kKeys][2] = {};
+    for (int64_t c = 0; c < p.head_dim; ++c) {
+      const Vf q0 = loadv(rt.qt[c]), q1 = loadv(rt.qt[c] + W);
+      for (int64_t j = 0; j < kKeys; ++j) {
+        acc[j][0] += key[j][c] * q0;  // contracted to FMAs
+        acc[j][1] += key[j][c] * q1;
+      }
+    }
+    for (int64_t j = 0; j < std::min(kKeys, n - j0); ++j) {
+      storev(sc.s[j0 + j], acc[j][0]);
+      storev(sc.s[j0 + j] + W, acc[j][1]);
+    }
+  }
+  for (int64_t j = n; j < kStep; ++j) std::fill_n(sc.s[j], kRows, -std::numeric_limits<float>::infinity());
+}
+
+// The online softmax of one vector of rows (lanes [h * W, h * W + W)) over the step's
+// scores, which become P; its rescale factors go to sc.alpha.
+void softmax_step(int64_t t0, bool masked, int64_t h, RowTile& rt, Scratch& sc) {
+  const fVec neg_inf(-std::numeric_limits<float>::infinity()), zero(0.f);
+  const fVec limit = fVec::loadu(rt.limit + h * W), lower = fVec::loadu(rt.lower + h * W);
+  const fVec m_old = fVec::loadu(rt.m + h * W);
+  fVec s[kStep], visible[kStep], m = m_old;
+  for (int64_t j = 0; j < kStep; ++j) {
+    s[j] = fVec::loadu(sc.s[j] + h * W);
+    if (masked) {
+      const fVec key(static_cast<float>(t0 + j));
+      visible[j] = (key < limit) & (key >= lower);
+      s[j] = fVec::blendv(neg_inf, s[j], visible[j]);
+    }
+    m = at::vec::maximum(m, s[j]);
+  }
+  // a row that sees no key yet (a window) keeps m = -inf: subtract 0 there, not -inf (NaN)
+  const fVec base = fVec::blendv(m, zero, m == neg_inf);
+  const fVec alpha = fVec::blendv(zero, exp2_neg(m_old - base), m_old != neg_inf);
+  fVec sum = zero;
+  for (int64_t j = 0; j < kStep; ++j) {
+    s[j] = exp2_neg(s[j] - base);
+    if (masked) s[j] = fVec::blendv(zero, s[j], visible[j]);
+    sum = sum + s[j];
+    s[j].store(sc.s[j] + h * W);
+  }
+  at::vec::fmadd(fVec::loadu(rt.l + h * W), alpha, sum).store(rt.l + h * W);
+  m.store(rt.m + h * W);
+  alpha.store(sc.alpha + h * W);
+}
+
+// O = O * alpha + P V over the step's n keys.
+void add_pv(const Problem& p, int64_t n, RowTile& rt, const Scratch& sc) {
+  for (int64_t r = 0; r < kRows; ++r)
+    if (sc.alpha[r] != 1.f) {  // the row's max moved
+      const fVec a(sc.alpha[r]);
+      for (int64_t c = 0; c < p.head_dim; c += W) (fVec::loadu(rt.o[r] + c) * a).store(rt.o[r] + c);
+    }
+  for (int64_t r0 = 0; r0 < kRows; r0 += kKeys)
+    for (int64_t c = 0; c < p.head_dim; c += 2 * W) {
+      Vf acc[kKeys][2];
+      for (int64_t r = 0; r < kKeys; ++r)
+        for (int64_t h = 0; h < 2; ++h) acc[r][h] = loadv(rt.o[r0 + r] + c + h * W);
+      for (int64_t j = 0; j < n; ++j) {
+        const Vf v0 = loadv(sc.v[j] + c), v1 = loadv(sc.v[j] + c + W);
+        for (int64_t r = 0; r < kKeys; ++r) {
+          acc[r][0] += sc.s[j][r0 + r] * v0;
+          acc[r][1] += sc.s[j][r0 + r] * v1;
+        }
+      }
+      for (int64_t r = 0; r < kKeys; ++r)
+        for (int64_t h = 0; h < 2; ++h) storev(rt.o[r0 + r] + c + h * W, acc[r][h]);
+    }
+}
+
+void store_rows(const Problem& p, const Item& it, int64_t row0, const RowTile& rt) {
+  for (int64_t r = 0; r < kRows && row0 + r < it.row0 + it.rows; ++r) {
+    const int64_t row = row0 + r, i = row / p.group;
+    float* dst = p.out + (p.query_start[it.seq] + i) * p.out_row + (it.head * p.group + row % p.group) * p.out_head;
+    const fVec inv(1.f / rt.l[r]);
+    for (int64_t c = 0; c < p.head_dim; c += W) (fVec::loadu(rt.o[r] + c) * inv).store(dst + c);
+  }
+}
+
+// The step's K and V rows; the next step's asked for while this one is computed (pages sit at random).
+int64_t locate_step(const Problem& p, const Item& it, int64_t t0, Scratch& sc) {
+  const int64_t ctx = p.context_lens[it.seq], n = std::min(kStep, ctx - t0);
+  for (int64_t j = 0; j < n; ++j) {
+    sc.k[j] = key_row(p, p.k, it.seq, t0 + j, it.head);
+    sc.v[j] = key_row(p, p.v, it.seq, t0 + j, it.head);
+  }
+  for (int64_t t = t0 + kStep; t < std::min(t0 + 2 * kStep, ctx); ++t)
+    for (int64_t d = 0; d < p.head_dim; d += 16) {
+      __builtin_prefetch(key_row(p, p.k, it.seq, t, it.head) + d, 0, 2);
+      __builtin_prefetch(key_row(p, p.v, it.seq, t, it.head) + d, 0, 2);
+    }
+  return n;
+}
+
+void attend_item(const Problem& p, const Item& it, Scratch& sc) {
+  const int64_t ntiles = (it.rows + kRows - 1) / kRows;
+  for (int64_t t = 0; t < ntiles; ++t) load_row_tile(p, it, it.row0 + t * kRows, sc.tiles[t]);
+  const int64_t keys = sc.tiles[ntiles - 1].max_limit;
+  // with a window: from the block of the item's lowest visible key (its first row's)
+  const int64_t lowest = p.window > 0 ? std::max<int64_t>(0, sc.tiles[0].min_limit - p.window) : 0;
+  for (int64_t t0 = lowest / p.block_size * p.block_size; t0 < keys; t0 += kStep) {
+    const int64_t n = locate_step(p, it, t0, sc);
+    for (int64_t t = 0; t < ntiles; ++t) {
+      RowTile& rt = sc.tiles[t];
+      if (t0 >= rt.max_limit) continue;  // every key of this step is in this tile's future
+      const bool windowed = p.window > 0 && t0 < rt.max_limit - p.window;  // some row's window starts after t0
+      if (p.window > 0 && t0 + kStep <= rt.min_limit - p.window) continue;  // the step is past every row's window
+      scores(p, n, rt, sc);
+      const bool masked = t0 + kStep > rt.min_limit || windowed;
+      softmax_step(t0, masked, 0, rt, sc);
+      softmax_step(t0, masked, 1, rt, sc);
+      add_pv(p, n, rt, sc);
+    }
+  }
+  for (int64_t t = 0; t < ntiles; ++t) store_rows(p, it, it.row0 + t * kRows, sc.tiles[t]);
+}
+
+void run(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
+  const std::vector<Item> items = make_items<kRows, kRowTiles>(p, num_seqs, kv_heads);
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    static thread_local std::unique_ptr<Scratch> scratch;  // as the bf16 path's, kept per thread
+    if (!scratch) scratch = std::make_unique<Scratch>();
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
+      attend_item(p, items[w], *scratch);
+  });
+}
+
+}  // namespace f32
 
 }  // namespace
 
-// out[rows, heads, D] = attention of the chunks' queries over their paged K/V (see the top),
-// on AMX tiles (`use_amx`) or with dot products.
+// out[rows, heads, D] = attention of the chunks' queries over their paged K/V (see the top):
+// fp32 with FMAs; bf16 on AMX tiles (`use_amx`) or with dot products.
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                        const at::Tensor& context_lens, double scale, int64_t window, bool use_amx) {
-#if defined(__AVX512BF16__)
   // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
   const at::Tensor tables = block_tables.to(at::kLong).contiguous();
   const at::Tensor starts = query_start.to(at::kLong).contiguous();
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
-  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "prefill_attention: bf16 only");
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256 && k_cache.size(1) % 16 == 0,
+              "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
+  auto fill = [&](auto& p, auto elem) {  // the problem's fields, for either element type
+    using T = decltype(elem);
+    p.q = q.const_data_ptr<T>();
+    p.out = out.mutable_data_ptr<T>();
+    p.q_row = q.stride(0), p.q_head = q.stride(1), p.out_row = out.stride(0), p.out_head = out.stride(1);
+    p.k = k_cache.const_data_ptr<T>();
+    p.v = v_cache.const_data_ptr<T>();
+    p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
+    p.block_size = k_cache.size(1);
+    p.tables = tables.const_data_ptr<int64_t>();
+    p.table_stride = tables.stride(0);
+    p.query_start = starts.const_data_ptr<int64_t>();
+    p.query_lens = qlens.const_data_ptr<int64_t>();
+    p.context_lens = lens.const_data_ptr<int32_t>();
+    p.group = q.size(1) / k_cache.size(2), p.head_dim = q.size(2);
+    p.scale_log2 = static_cast<float>(scale / std::log(2.0));
+    p.window = window;
+  };
+  if (q.scalar_type() == at::kFloat) {
+    TORCH_CHECK(!use_amx, "prefill_attention: AMX tiles take bf16 only");
+    f32::Problem p;
+    fill(p, 0.f);
+    f32::run(p, lens.size(0), k_cache.size(2));
+    return;
+  }
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "prefill_attention: fp32 or bf16 only");
+#if defined(__AVX512BF16__)
 #if KVSERVE_AMX
   TORCH_CHECK(!use_amx || amx_permitted(), "prefill_attention: AMX is not granted to this process");
 #else
   TORCH_CHECK(!use_amx, "prefill_attention: this build has no AMX");
 #endif
-  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim && k_cache.size(1) % kPage == 0,
-              "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
   Problem p;
-  p.q = q.const_data_ptr<at::BFloat16>();
-  p.out = out.mutable_data_ptr<at::BFloat16>();
-  p.q_row = q.stride(0), p.q_head = q.stride(1), p.out_row = out.stride(0), p.out_head = out.stride(1);
-  p.k = k_cache.const_data_ptr<at::BFloat16>();
-  p.v = v_cache.const_data_ptr<at::BFloat16>();
-  p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
-  p.block_size = k_cache.size(1);
-  p.tables = tables.const_data_ptr<int64_t>();
-  p.table_stride = tables.stride(0);
-  p.query_start = starts.const_data_ptr<int64_t>();
-  p.query_lens = qlens.const_data_ptr<int64_t>();
-  p.context_lens = lens.const_data_ptr<int32_t>();
-  p.group = q.size(1) / k_cache.size(2), p.head_dim = q.size(2);
-  p.scale_log2 = static_cast<float>(scale / std::log(2.0));
-  p.window = window;
-  const std::vector<Item> items = make_items(p, lens.size(0), k_cache.size(2));
+  fill(p, at::BFloat16());
+  const std::vector<Item> items = make_items<kRows, kRowTiles>(p, lens.size(0), k_cache.size(2));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     // kept per thread: building its 200 KB anew (zeroed, page-faulted in) cost ~7 us a call,
@@ -457,7 +701,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
     run(attend_item<false>);
   });
 #else
-  TORCH_CHECK(false, "prefill_attention needs AVX512-BF16; this build has none");
+  TORCH_CHECK(false, "prefill_attention in bf16 needs AVX512-BF16; this build has none");
 #endif
 }
 

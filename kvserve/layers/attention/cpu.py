@@ -1,12 +1,12 @@
-"""CPU paged attention: a compiled kernel that reads K/V in place through block tables.
+"""CPU paged attention: compiled kernels that read K/V in place through block tables.
 
 `TorchAttention` copies every request's K/V blocks into a padded tensor per layer per
 step before SDPA; on the CPU that copy costs more than the attention itself. The
 kernel in `kvserve/kernels/csrc/paged_attention.cpp` walks the block tables instead, reading
-each K/V row once. On CPUs with AVX512-BF16, prefill chunks of bf16 models go to a second
-kernel (`kvserve/kernels/csrc/prefill_attention.cpp`), flash attention on the AMX tile unit
-or with `vdpbf16ps` dot products, also reading the pages in place: on AMX 1.5-3x faster than
-SDPA on a gathered copy of the context.
+each K/V row once. Prefill chunks past a few queries go to a second kernel
+(`kvserve/kernels/csrc/prefill_attention.cpp`), flash attention that also reads the pages in
+place: for bf16 models on the AMX tile unit or with `vdpbf16ps` dot products (on AMX 1.5-3x
+faster than SDPA on a gathered copy of the context), for fp32 models on AVX2 hosts with FMAs.
 Both are part of kvserve's CPU extension (`kvserve/kernels`); where that does not build,
 the CPU platform keeps `TorchAttention`.
 """
@@ -19,19 +19,22 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.kernels.paged_attention import KernelRows, paged_attention
-from kvserve.kernels.prefill_attention import prefill_attention
+from kvserve.kernels.prefill_attention import DTYPES, prefill_attention
 from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, TorchAttention, write_kv
 
 # Prefill chunks up to this many queries go to the paged kernel, by the prefill kernel the
-# CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp32,
-# AVX2), the paged kernel's per-key dot products beat SDPA's matmuls on short chunks
-# (crossover at ~16-24 queries in bf16, ~32-48 in fp32, SmolLM2 shapes); longer chunks go to
-# SDPA's flash kernel (called with 4-D inputs: 3-D ones take SDPA's much slower math path).
-# The dot-product prefill kernel (AVX512-BF16, no AMX: AMD Zen 4 and 5) beat the paged kernel
-# on a Zen 5 from ~4 queries (SmolLM2, 1,000 cached: 0.13 vs 0.18 ms at 16 new, 0.10 vs 0.08
-# at 4; Gemma 3 from 4). A Zen 4 (512-bit operations at half rate) is not measured; on an
-# AMX Xeon with AMX withheld the paged kernel won to 16.
-KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4, "amx": 0}
+# CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp16;
+# fp32 off AVX2; fp32 on AVX2 before its kernel), the paged kernel's per-key dot products beat
+# SDPA's matmuls on short chunks (crossover at ~16-24 queries in bf16, ~32-48 in fp32,
+# SmolLM2 shapes); longer chunks go to SDPA's flash kernel (called with 4-D inputs: 3-D ones
+# take SDPA's much slower math path). The dot-product prefill kernel (AVX512-BF16, no AMX:
+# AMD Zen 4 and 5) beat the paged kernel on a Zen 5 from ~4 queries (SmolLM2, 1,000 cached:
+# 0.13 vs 0.18 ms at 16 new, 0.10 vs 0.08 at 4; Gemma 3 from 4). A Zen 4 (512-bit operations
+# at half rate) is not measured; on an AMX Xeon with AMX withheld the paged kernel won to 16.
+# The fp32 prefill kernel (AVX2, Zen 1) beat the paged kernel from ~8-16 queries after a
+# cached prefix, from ~100 on SmolLM2's fresh prompts and ~16 on Gemma 3's, and SDPA from
+# ~16-64 (fresh) or everywhere (cached prefix).
+KERNEL_MAX_PREFILL_QUERIES = {"": 16, "avx512_bf16": 4, "amx": 0, "f32": 8}
 
 
 @dataclass
@@ -44,11 +47,11 @@ class KernelBatch:
 
 
 class CpuPagedAttention:
-    """`AttentionBackend` for the CPU: the paged kernel for decodes; for the prefill chunks of
-    a bf16 model with `prefill_kernel` ("amx" or "avx512_bf16": `kernels.prefill_attention.isa()`),
-    the prefill kernel for the chunks past the limit (`KERNEL_MAX_PREFILL_QUERIES`: none on AMX);
-    elsewhere the paged kernel for short chunks and TorchAttention's SDPA for long ones, where
-    matmuls win."""
+    """`AttentionBackend` for the CPU: the paged kernel for decodes; for the prefill chunks of a
+    model whose dtype is `prefill_kernel`'s ("amx" or "avx512_bf16" for bf16, "f32" for fp32:
+    `kernels.prefill_attention.isa(dtype)`), the prefill kernel for the chunks past the limit
+    (`KERNEL_MAX_PREFILL_QUERIES`: none on AMX); elsewhere the paged kernel for short chunks and
+    TorchAttention's SDPA for long ones, where matmuls win."""
 
     def __init__(self, max_prefill_queries: int | None = None, prefill_kernel: str = "") -> None:
         self.max_prefill_queries = max_prefill_queries  # None: KERNEL_MAX_PREFILL_QUERIES for the kernel used
@@ -80,7 +83,7 @@ class CpuPagedAttention:
     def plan(self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int) -> KernelBatch:
         """Once per metadata (every layer of a KV group shares one in a step), kept on it."""
         if not isinstance(meta.backend_state, KernelBatch):
-            usable = dtype == torch.bfloat16 and block_size % 16 == 0
+            usable = DTYPES.get(self.prefill_kernel) == dtype and block_size % 16 == 0
             meta.backend_state = kernel_batch(meta, self.max_prefill_queries, self.prefill_kernel if usable else "")
         return meta.backend_state
 
