@@ -112,7 +112,7 @@ def test_cache_aware_ties_are_broken_by_load_then_by_chance_never_by_order():
 def test_overlap_score_weight_keeps_a_chat_on_its_cache_against_held_kv():
     """Replica 0 caches 4 of the prompt's 6 blocks but runs a request holding 100 tokens more KV than
     replica 1: at weight 1 (Dynamo's default) the 64 cached tokens are worth less than that, at
-    weight 4 (kvserve's) more."""
+    kvserve's default (16) more."""
     tokens = list(range(6 * BS + 1))
     keys = keys_of(tokens)
     warm, cold = _replica(0, keys[:4]), _replica(1)
@@ -123,6 +123,20 @@ def test_overlap_score_weight_keeps_a_chat_on_its_cache_against_held_kv():
     assert make_policy("cache_aware").choose(request, [warm, cold]).replica is warm
     with pytest.raises(ValueError, match="kv-overlap-score-weight"):
         make_policy("cache_aware", 0.0)
+
+
+def test_queued_prefill_outweighs_a_cached_run():
+    """At the default weight a replica's prefill still waiting (requests sent, no token yet) counts as
+    much as uncached prompt: its cache does not draw every request while its queue grows."""
+    tokens = list(range(6 * BS + 1))
+    keys = keys_of(tokens)
+    warm, cold = _replica(0, keys[:4]), _replica(1)
+    queued = Flight(prompt_tokens=200, uncached_tokens=200)
+    warm.add_flight(queued)
+    request = RoutedRequest("completion", {}, "A", None, [tokens], [keys])
+    assert make_policy("cache_aware").choose(request, [warm, cold]).replica is cold
+    queued.started = True  # its prefill is done: only its KV counts now
+    assert make_policy("cache_aware").choose(request, [warm, cold]).replica is warm
 
 
 def test_last_prompt_token_is_never_predicted_cached():

@@ -7,9 +7,12 @@ import argparse
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
 # cache_aware's weight of a prefill token against a token of KV held by a running request.
 # Dynamo's default is 1; with CPU replicas, where prefill is the expensive part, weight 1 moved
-# chats off their cache for a few hundred tokens of load difference, and 4 kept 3-8 points more
-# of the prompt cached in each of five alternated pairs of runs (docs/bench-routers.md).
-KV_OVERLAP_SCORE_WEIGHT = 4.0
+# chats off their cache for a few hundred tokens of load difference. 4 kept 3-8 points more of
+# the prompts cached than 1 at 8 chats in flight; 16 kept 2-4 more than 4 at 24 in flight (96
+# chats: 76.1% against 72.1-74.2%, sglang-router's level) and 1-2 more at 8, with no higher TTFT
+# (docs/bench-routers.md). Queued prefill is weighed as much, so a replica piling up prefills
+# for its cache still loses the next request.
+KV_OVERLAP_SCORE_WEIGHT = 16.0
 HEALTH_INTERVAL = 0.5  # seconds between checks: a dead replica is noticed within ~1 s, well inside 2 s
 
 
