@@ -48,6 +48,25 @@
 namespace kvserve {
 namespace {
 
+// One call's chunks and cache, for queries, K/V and output of element type T.
+template <typename T>
+struct ProblemOf {
+  const T* q;
+  T* out;
+  int64_t q_row, q_head, out_row, out_head;
+  const T* k;
+  const T* v;
+  int64_t c_block, c_token, c_head, block_size;
+  const int64_t* tables;
+  int64_t table_stride;
+  const int64_t* query_start;
+  const int64_t* query_lens;
+  const int32_t* context_lens;
+  int64_t group, head_dim;
+  float scale_log2;  // softmax scale times log2(e): the softmax runs in base 2
+  int64_t window;    // sliding window, 0 for none
+};
+
 struct Item {
   int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
 };
@@ -80,22 +99,7 @@ constexpr int64_t kStep = 32;     // keys per online-softmax step: the K dim of 
 constexpr int64_t kRowTiles = 8;  // row tiles per work item; they share each step's packed V and K/V reads
 constexpr int64_t kMaxHeadDim = 256;
 
-struct Problem {
-  const at::BFloat16* q;
-  at::BFloat16* out;
-  int64_t q_row, q_head, out_row, out_head;
-  const at::BFloat16* k;
-  const at::BFloat16* v;
-  int64_t c_block, c_token, c_head, block_size;
-  const int64_t* tables;
-  int64_t table_stride;
-  const int64_t* query_start;
-  const int64_t* query_lens;
-  const int32_t* context_lens;
-  int64_t group, head_dim;
-  float scale_log2;  // softmax scale times log2(e): the softmax runs in base 2
-  int64_t window;    // sliding window, 0 for none
-};
+using Problem = ProblemOf<at::BFloat16>;
 
 #if KVSERVE_AMX
 // Tiles: 0 S^T of a page, 2 K rows, 3 Q^T, 4 O, 5 P, 6 packed V; all 16 x 64 B (1 unused).
@@ -411,22 +415,7 @@ constexpr int64_t kRowTiles = 8;  // row tiles per work item, sharing each step'
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kKeys = 4;  // keys (S^T) or rows (P V) a product broadcasts at a time
 
-struct Problem {
-  const float* q;
-  float* out;
-  int64_t q_row, q_head, out_row, out_head;
-  const float* k;
-  const float* v;
-  int64_t c_block, c_token, c_head, block_size;
-  const int64_t* tables;
-  int64_t table_stride;
-  const int64_t* query_start;
-  const int64_t* query_lens;
-  const int32_t* context_lens;
-  int64_t group, head_dim;
-  float scale_log2;
-  int64_t window;
-};
+using Problem = ProblemOf<float>;
 
 // A row tile: its queries transposed and scaled, its unnormalised output and online softmax.
 // Key limits are floats, compared in lanes (exact below 2^24 keys).
@@ -642,8 +631,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
   TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256 && k_cache.size(1) % 16 == 0,
               "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
-  auto fill = [&](auto& p, auto elem) {  // the problem's fields, for either element type
-    using T = decltype(elem);
+  auto fill = [&]<typename T>(ProblemOf<T>& p) {
     p.q = q.const_data_ptr<T>();
     p.out = out.mutable_data_ptr<T>();
     p.q_row = q.stride(0), p.q_head = q.stride(1), p.out_row = out.stride(0), p.out_head = out.stride(1);
@@ -663,7 +651,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   if (q.scalar_type() == at::kFloat) {
     TORCH_CHECK(!use_amx, "prefill_attention: AMX tiles take bf16 only");
     f32::Problem p;
-    fill(p, 0.f);
+    fill(p);
     f32::run(p, lens.size(0), k_cache.size(2));
     return;
   }
@@ -675,7 +663,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(!use_amx, "prefill_attention: this build has no AMX");
 #endif
   Problem p;
-  fill(p, at::BFloat16());
+  fill(p);
   const std::vector<Item> items = make_items<kRows, kRowTiles>(p, lens.size(0), k_cache.size(2));
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
