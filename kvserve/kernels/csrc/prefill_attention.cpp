@@ -67,6 +67,15 @@ struct ProblemOf {
   int64_t window;    // sliding window, 0 for none
 };
 
+constexpr int64_t kMaxHeadDim = 256;  // both element types' per-tile buffers are sized for it
+
+// Token t's row of KV head h in the cache `base` (p.k or p.v) of sequence seq.
+template <typename T>
+const T* key_row(const ProblemOf<T>& p, const T* base, int64_t seq, int64_t t, int64_t h) {
+  const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
+  return base + block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head;
+}
+
 struct Item {
   int64_t seq, head, row0, rows;  // folded rows [row0, row0 + rows) of seq, for KV head `head`
 };
@@ -97,7 +106,6 @@ constexpr int64_t kRows = 16;     // folded query rows per tile
 constexpr int64_t kPage = 16;     // keys per A tile of K: one page (or a 16-key part of one)
 constexpr int64_t kStep = 32;     // keys per online-softmax step: the K dim of one P V product
 constexpr int64_t kRowTiles = 8;  // row tiles per work item; they share each step's packed V and K/V reads
-constexpr int64_t kMaxHeadDim = 256;
 
 using Problem = ProblemOf<at::BFloat16>;
 
@@ -169,11 +177,6 @@ struct Scratch {
   alignas(64) at::BFloat16 p[kRows][kStep];                 // P of a step, the A operand
   alignas(64) at::BFloat16 zeros[64] = {};
 };
-
-const at::BFloat16* key_row(const Problem& p, const at::BFloat16* base, int64_t seq, int64_t t, int64_t h) {
-  const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
-  return base + block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head;
-}
 
 void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) {
   const int64_t qlen = p.query_lens[it.seq], ctx = p.context_lens[it.seq], d = p.head_dim;
@@ -412,7 +415,6 @@ namespace f32 {
 constexpr int64_t kRows = 2 * W;  // folded query rows per tile: two vectors
 constexpr int64_t kStep = 32;     // keys per online-softmax step
 constexpr int64_t kRowTiles = 8;  // row tiles per work item, sharing each step's K/V rows in L1
-constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kKeys = 4;  // keys (S^T) or rows (P V) a product broadcasts at a time
 
 using Problem = ProblemOf<float>;
@@ -449,11 +451,6 @@ inline fVec exp2_neg(fVec x) {
   using iVec = at::vec::Vectorized<int32_t>;
   const iVec bits = (at::vec::convert_to_int_of_same_size(n) + iVec(127)) << iVec(23);
   return p * at::vec::cast<float>(bits);
-}
-
-const float* key_row(const Problem& p, const float* base, int64_t seq, int64_t t, int64_t h) {
-  const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
-  return base + block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head;
 }
 
 void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) {
@@ -591,10 +588,10 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
     for (int64_t t = 0; t < ntiles; ++t) {
       RowTile& rt = sc.tiles[t];
       if (t0 >= rt.max_limit) continue;  // every key of this step is in this tile's future
-      const bool windowed = p.window > 0 && t0 < rt.max_limit - p.window;  // some row's window starts after t0
       if (p.window > 0 && t0 + kStep <= rt.min_limit - p.window) continue;  // the step is past every row's window
       scores(p, n, rt, sc);
-      const bool masked = t0 + kStep > rt.min_limit || windowed;
+      // some row's limit falls in the step, or some row's window starts after t0
+      const bool masked = t0 + kStep > rt.min_limit || (p.window > 0 && t0 < rt.max_limit - p.window);
       softmax_step(t0, masked, 0, rt, sc);
       softmax_step(t0, masked, 1, rt, sc);
       add_pv(p, n, rt, sc);
@@ -629,7 +626,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
   const at::Tensor lens = context_lens.to(at::kInt).contiguous();
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
-  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= 256 && k_cache.size(1) % 16 == 0,
+  TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim && k_cache.size(1) % 16 == 0,
               "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
   auto fill = [&]<typename T>(ProblemOf<T>& p) {
     p.q = q.const_data_ptr<T>();
