@@ -32,9 +32,9 @@ from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.router import request as request_module
 from kvserve.router.index import BlockIndex, SentBlocks
-from kvserve.router.migration import StreamProgress, upstream_body
+from kvserve.router.migration import StreamCut, StreamProgress, upstream_body
 from kvserve.router.policy import CacheAware, Decision, make_policy, score
-from kvserve.router.proxy import PATHS
+from kvserve.router.proxy import PATHS, Upstream
 from kvserve.router.replicas import EVENTS_STALE_AFTER, Flight, Replica, ServerInfo, State
 from kvserve.router.request import RoutedRequest, Tokenization
 from kvserve.router.tokenizer import RouterTokenizer
@@ -304,6 +304,45 @@ def test_without_a_tokenizer_a_cut_stream_starts_again_and_skips_what_the_client
 
 
 # --- the cluster ----------------------------------------------------------------------------------
+
+
+def test_an_upstream_event_longer_than_aiohttps_line_limit_comes_through_whole():
+    """A chat stream's first event carries the prompt's token ids: hundreds of KiB for a long
+    prompt, more than aiohttp's read buffer (64 KiB) holds at once."""
+    from aiohttp import ClientSession, web
+
+    big = json.dumps({"prompt_token_ids": list(range(60_000))})  # ~400 KB
+    sent = [big, json.dumps({"choices": []}), "[DONE]"]
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        for data in sent:
+            for i in range(0, len(data), 50_000):  # an event over several writes, as TCP may cut it
+                await response.write(("data: " if i == 0 else "").encode() + data[i : i + 50_000].encode())
+            await response.write(b"\r\n\r\n")
+        return response
+
+    async def relay() -> list[str]:
+        app = web.Application()
+        app.router.add_post("/", stream)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with ClientSession() as session:
+                response = await session.post(f"http://127.0.0.1:{port}/")
+                replica = _replica(0)
+                upstream = Upstream(replica, Decision(replica, 0, 0, 0.0, 0.0), response, Flight(0, 0))
+                got = [await upstream.next() for _ in sent]
+                with pytest.raises(StreamCut):  # then the end of the body
+                    await upstream.next()
+                return got
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(relay()) == sent
 
 
 def free_port(pair: bool = False) -> int:

@@ -34,7 +34,7 @@ from kvserve.router.args import KV_OVERLAP_SCORE_WEIGHT
 from kvserve.router.dashboard import router_state
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import make_policy
-from kvserve.router.proxy import Proxy, refused_or_reset
+from kvserve.router.proxy import Proxy
 from kvserve.router.replicas import EventsInfo, Replica, ReplicaSet
 from kvserve.router.request import Kind, RoutedRequest, Tokenization, block_keys, client_salt
 from kvserve.router.tokenizer import RouterTokenizer
@@ -140,15 +140,16 @@ class Router:
         self.replicas.on_discovered.append(self._discovered)
         self.tokenization = Tokenization(remote=self._remote_tokenize, on_fallback=self.metrics.tokenize_fallbacks.inc)
         self._tokenizer_lock = asyncio.Lock()
-        self.proxy = Proxy(
-            self.replicas, make_policy(settings.policy, settings.prefill_weight), self.metrics, self.client, self.secret
-        )
+        policy = make_policy(settings.policy, settings.prefill_weight)
+        self.proxy = Proxy(self.replicas, policy, self.metrics, self.secret, settings.request_timeout)
 
     async def start(self) -> None:
+        await self.proxy.start()
         await self.replicas.start()
 
     async def close(self) -> None:
         await self.replicas.close()
+        await self.proxy.close()
         await self.client.aclose()
 
     async def prepare(self, kind: Kind, body: dict[str, Any], tenant: str, authorization: str | None) -> RoutedRequest:
@@ -323,19 +324,8 @@ def _add_routes(app: FastAPI) -> None:
 
 
 async def _pass_on(raw_request: Request, path: str) -> Response:
-    """A request any replica answers alike: to the least loaded one."""
-    router: Router = raw_request.app.state.router
     headers = {k: v for k, v in raw_request.headers.items() if k in ("authorization", "content-type")}
-    for r in sorted(router.replicas.routable(), key=lambda r: r.load_tokens()):
-        try:
-            response = await router.client.post(f"{r.url}{path}", content=await raw_request.body(), headers=headers)
-        except httpx.TransportError as e:
-            if refused_or_reset(e):
-                router.replicas.connection_failed(r, e)
-            continue
-        if response.status_code < 500:
-            return Response(response.content, response.status_code, media_type=response.headers.get("content-type"))
-    raise APIError(503, "no replica is available", type="server_error", code="no_replica")
+    return await raw_request.app.state.router.proxy.pass_on(path, await raw_request.body(), headers)
 
 
 def create_router(args: argparse.Namespace) -> uvicorn.Server:

@@ -6,6 +6,11 @@ refused or reset connection, a 5xx or a 429 sends the request to the next best r
 on as it came, never counted. Once a stream has started, a cut (the connection reset, the
 stream ending without [DONE], a server error event, or its replica found dead by a
 health check) continues the stream on another replica (`migration`).
+
+Requests and streams go through aiohttp, whose HTTP parser is in C: relaying a stream
+costs a parse of every token's chunk, and httpx's pure-Python one took ~3.5x the CPU
+(177 against 49 us a chunk). The replicas' control plane (health, /server_info, /load,
+/tokenize) stays on httpx (`replicas.py`, `app.py`).
 """
 
 from __future__ import annotations
@@ -13,11 +18,11 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
+import aiohttp
 from fastapi import Response
 from starlette.types import Receive, Scope, Send
 
@@ -33,12 +38,27 @@ from kvserve.server.sse import DONE, EventSourceResponse
 
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
 _END = object()
+# what a failed exchange with a replica raises: the connection (refused, reset, cut), a timeout
+TRANSPORT_ERRORS = (aiohttp.ClientError, TimeoutError)
+
+
+@dataclass
+class Reply:
+    """A replica's whole answer, read."""
+
+    status: int
+    body: bytes
+    headers: Mapping[str, str]
+
+    @classmethod
+    async def read(cls, response: aiohttp.ClientResponse) -> Reply:
+        return cls(response.status, await response.read(), response.headers)
 
 
 class Retry(Exception):
     """This replica could not take the request; another may."""
 
-    def __init__(self, reason: str, response: httpx.Response | None = None):
+    def __init__(self, reason: str, response: Reply | None = None):
         super().__init__(reason)
         self.reason, self.response = reason, response
 
@@ -46,15 +66,15 @@ class Retry(Exception):
 class Refused(Exception):
     """The replica answered with the client's error (4xx): pass it on."""
 
-    def __init__(self, response: httpx.Response):
-        super().__init__(response.status_code)
+    def __init__(self, response: Reply):
+        super().__init__(response.status)
         self.response = response
 
 
 class Upstream:
     """A replica's event stream, read by a task of its own so that a health check can cut it."""
 
-    def __init__(self, replica: Replica, decision: Decision, response: httpx.Response, flight: Flight):
+    def __init__(self, replica: Replica, decision: Decision, response: aiohttp.ClientResponse, flight: Flight):
         self.replica, self.decision, self.response, self.flight = replica, decision, response, flight
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._task = asyncio.create_task(self._pump())
@@ -62,16 +82,16 @@ class Upstream:
 
     async def _pump(self) -> None:
         try:
-            async for line in self.response.aiter_lines():
-                if line.startswith("data: "):
-                    self._queue.put_nowait(line[len("data: ") :])
+            async for line in self.response.content:
+                if line.startswith(b"data: "):
+                    self._queue.put_nowait(line[len(b"data: ") :].rstrip(b"\r\n").decode())
             self._queue.put_nowait(_END)
         except asyncio.CancelledError:
             self._queue.put_nowait(StreamCut("its replica was found dead"))
         except Exception as e:  # reset, incomplete chunked body, ...
             self._queue.put_nowait(e)
         finally:
-            await self.response.aclose()
+            self.response.release()  # back to the pool once read to the end, else closed
 
     async def next(self) -> str:
         item = await self._queue.get()
@@ -116,13 +136,30 @@ class Proxy:
         replicas: ReplicaSet,
         policy: Policy,
         metrics: RouterMetrics,
-        client: httpx.AsyncClient,
         secret: bytes,
+        request_timeout: float,
         tokenizer: RouterTokenizer | None = None,
     ):
-        self.replicas, self.policy, self.metrics, self.client = replicas, policy, metrics, client
+        self.replicas, self.policy, self.metrics = replicas, policy, metrics
         self.secret = secret
+        self.request_timeout = request_timeout
         self.tokenizer = tokenizer  # set once discovered; decodes a migrated stream's tokens
+        self.session: aiohttp.ClientSession | None = None  # made by start(), in the event loop
+
+    async def start(self) -> None:
+        # 2 s to connect (a dead host fails fast); request_timeout for a pool slot and for each read
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=self.request_timeout, sock_connect=2.0, sock_read=self.request_timeout
+        )
+        self.session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=4096))
+
+    async def close(self) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    def _session(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "Proxy.start() first"
+        return self.session
 
     def choose(self, request: RoutedRequest, exclude: set[int]) -> Decision | None:
         started = time.perf_counter()
@@ -138,7 +175,7 @@ class Proxy:
 
     async def _complete(self, request: RoutedRequest) -> Response:
         exclude: set[int] = set()
-        last: httpx.Response | None = None
+        last: Reply | None = None
         while (decision := self.choose(request, exclude)) is not None:
             r = decision.replica
             try:
@@ -150,16 +187,14 @@ class Proxy:
                 continue
             except Refused as e:
                 return _passed_on(e.response, decision)
-            self._record_usage(decision, request, response.json().get("usage"))
+            self._record_usage(decision, request, json.loads(response.body).get("usage"))
             return _passed_on(response, decision)
         return _passed_on(last, None) if last is not None else _unavailable()
 
-    async def _post(self, decision: Decision, request: RoutedRequest) -> httpx.Response:
+    async def _post(self, decision: Decision, request: RoutedRequest) -> Reply:
         r = decision.replica
         flight = self._start_flight(decision, request)
-        task = asyncio.ensure_future(
-            self.client.post(f"{r.url}{PATHS[request.kind]}", json=request.body, headers=_headers(request))
-        )
+        task = asyncio.ensure_future(self._fetch(f"{r.url}{PATHS[request.kind]}", request.body, _headers(request)))
         flight.abort = task.cancel
         try:
             await asyncio.wait({task})
@@ -170,22 +205,26 @@ class Proxy:
             raise Retry("replica_dead")
         try:
             response = task.result()
-        except httpx.TransportError as e:
+        except TRANSPORT_ERRORS as e:
             raise self._transport_failed(r, e) from e
         return self._check_status(r, response)
 
-    def _check_status(self, r: Replica, response: httpx.Response) -> httpx.Response:
-        if response.status_code >= 500:
-            self.replicas.failed(r, f"HTTP {response.status_code}")
+    async def _fetch(self, url: str, body: dict[str, Any], headers: dict[str, str]) -> Reply:
+        async with self._session().post(url, json=body, headers=headers) as response:
+            return await Reply.read(response)
+
+    def _check_status(self, r: Replica, response: Reply) -> Reply:
+        if response.status >= 500:
+            self.replicas.failed(r, f"HTTP {response.status}")
             raise Retry("server_error", response)
-        if response.status_code == 429:
+        if response.status == 429:
             raise Retry("queue_full", response)
-        if response.status_code != 200:
+        if response.status != 200:
             raise Refused(response)
         self.replicas.succeeded(r)
         return response
 
-    def _transport_failed(self, r: Replica, error: httpx.TransportError) -> Retry:
+    def _transport_failed(self, r: Replica, error: Exception) -> Retry:
         """Refused or reset: the replica is out at once. A timeout: maybe only busy (or this router starved
         of CPU); the request goes elsewhere and the health checks decide."""
         if refused_or_reset(error):
@@ -199,7 +238,7 @@ class Proxy:
         progress = StreamProgress(request, self.tokenizer)
         body = upstream_body(request)
         exclude: set[int] = set()
-        last: httpx.Response | None = None
+        last: Reply | None = None
         while (decision := self.choose(request, exclude)) is not None:
             try:
                 upstream, first = await self._open(decision, request, PATHS[request.kind], body)
@@ -224,20 +263,18 @@ class Proxy:
         upstream = None
         try:
             try:
-                sent = self.client.build_request("POST", f"{r.url}{path}", json=body, headers=_headers(request))
-                response = await self.client.send(sent, stream=True)
-            except httpx.TransportError as e:
+                response = await self._session().post(f"{r.url}{path}", json=body, headers=_headers(request))
+                if response.status != 200:
+                    try:
+                        self._check_status(r, await Reply.read(response))  # raises: not 200
+                    finally:
+                        response.release()
+            except TRANSPORT_ERRORS as e:
                 raise self._transport_failed(r, e) from e
-            if response.status_code != 200:
-                try:
-                    await response.aread()
-                finally:
-                    await response.aclose()
-                self._check_status(r, response)  # raises: not 200
             upstream = Upstream(r, decision, response, flight)
             try:
                 first = await upstream.next()
-            except (StreamCut, httpx.TransportError) as e:
+            except (StreamCut, *TRANSPORT_ERRORS) as e:
                 self._cut(upstream, e)
                 raise Retry("cut_before_first_event") from e
         except BaseException:  # cancelled too: the flight must not outlive the attempt
@@ -257,7 +294,7 @@ class Proxy:
                 data, relay.first = relay.first or await upstream.next(), None
                 upstream.flight.generated += 1
                 events = progress.accept(data)
-            except (StreamCut, httpx.TransportError, ValueError) as e:
+            except (StreamCut, *TRANSPORT_ERRORS, ValueError) as e:
                 self._cut(upstream, e)
                 exclude.add(upstream.replica.index)
                 if request.migratable and progress.finished:  # cut after its last token: only the end is lost
@@ -328,6 +365,20 @@ class Proxy:
         if progress.continuation is None:  # a continuation's prompt is not the one predicted for
             self._record_usage(upstream.decision, request, progress.usage)
 
+    async def pass_on(self, path: str, body: bytes, headers: dict[str, str]) -> Response:
+        """A request any replica answers alike (/tokenize, /detokenize): to the least loaded one."""
+        for r in sorted(self.replicas.routable(), key=lambda r: r.load_tokens()):
+            try:
+                async with self._session().post(f"{r.url}{path}", data=body, headers=headers) as response:
+                    reply = await Reply.read(response)
+            except TRANSPORT_ERRORS as e:
+                if refused_or_reset(e):
+                    self.replicas.connection_failed(r, e)
+                continue
+            if reply.status < 500:
+                return Response(reply.body, reply.status, media_type=reply.headers.get("content-type"))
+        return _unavailable()
+
     # bookkeeping
 
     def _start_flight(self, decision: Decision, request: RoutedRequest) -> Flight:
@@ -359,7 +410,10 @@ class Proxy:
 
 
 def refused_or_reset(error: Exception) -> bool:
-    return isinstance(error, httpx.ConnectError | httpx.ReadError | httpx.RemoteProtocolError | httpx.WriteError)
+    """The connection was refused, reset or cut short (not a timeout: that may be a busy replica)."""
+    cut = (aiohttp.ClientOSError, aiohttp.ClientConnectionResetError, aiohttp.ServerDisconnectedError)
+    cut += (aiohttp.ClientPayloadError,)
+    return isinstance(error, cut) and not isinstance(error, TimeoutError)
 
 
 def _headers(request: RoutedRequest) -> dict[str, str]:
@@ -376,12 +430,12 @@ def _routing_headers(decision: Decision | None) -> dict[str, str]:
     }
 
 
-def _passed_on(response: httpx.Response, decision: Decision | None) -> Response:
+def _passed_on(response: Reply, decision: Decision | None) -> Response:
     headers = _routing_headers(decision)
     if "retry-after" in response.headers:
         headers["retry-after"] = response.headers["retry-after"]
     media_type = response.headers.get("content-type", "application/json")
-    return Response(response.content, status_code=response.status_code, media_type=media_type, headers=headers)
+    return Response(response.body, status_code=response.status, media_type=media_type, headers=headers)
 
 
 def _unavailable() -> Response:
