@@ -658,6 +658,29 @@ def _request(tok: RouterTokenizer, kind: str, body: dict) -> RoutedRequest:
     return RoutedRequest(kind, body, "A", None, [prompt], [[]])
 
 
+def test_a_client_leaving_a_stream_ends_its_request_on_the_replica(cluster):
+    """The router closes its connection to the replica when its client goes, so the replica
+    stops generating for no one (an upstream left open would run to max_tokens)."""
+
+    def running(replica: Process) -> int:
+        return httpx.get(f"{replica.url}/load", timeout=5).json()["num_requests_running"]
+
+    def generated(replica: Process) -> float:
+        return metrics(replica.url)[("kvserve:generation_tokens_total", ())]
+
+    before = [generated(r) for r in cluster.replicas]
+    body = {"prompt": "leave early", "max_tokens": 480, "ignore_eos": True, "stream": True, "temperature": 0}
+    url = f"{cluster.router.url}/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=_auth("key-a"), timeout=60) as response:
+        i = int(response.headers["x-kvserve-replica"])
+        lines = response.iter_lines()
+        for _ in range(3):
+            next(lines)
+        assert running(cluster.replicas[i]) == 1
+    _wait_until(lambda: running(cluster.replicas[i]) == 0, 30.0, "the replica to end the left stream")
+    assert generated(cluster.replicas[i]) - before[i] < body["max_tokens"]
+
+
 def test_a_stop_string_straddling_a_cut_ends_a_real_stream_where_the_uninterrupted_one_ends(cluster, tok):
     """Greedy, so the continuation's next token is the uninterrupted run's: a stop string over the token the
     replica was holding back when cut and the next one ends the stream at the same place, matched by the router."""
