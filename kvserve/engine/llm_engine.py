@@ -8,13 +8,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.profiler import record_function
 
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
 from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config, kv_slots
 from kvserve.engine.output_processor import OutputProcessor
+from kvserve.engine.ranges import named_range
 from kvserve.engine.request import Request, RequestStatus
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from kvserve.engine.stats import EngineStats
@@ -213,21 +213,21 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
-        with record_function("schedule"):  # named ranges: `kvserve bench step` breaks a step down by them
+        with named_range("schedule"):  # `kvserve bench step --profile` breaks a step down by these
             out = self._step_out = self.scheduler.schedule()
         if out.is_empty:
             if self.scheduler.loading:  # nothing to run but loads from the tiers: wait for one
                 self.store.wait_for_loads(self.kv.loads.values(), timeout=0.005)
             return []
         sampled = self.runner.execute(out)
-        with record_function("process_outputs"):
+        with named_range("process_outputs"):
             updated = self.scheduler.update_from_output(out, sampled)
             stopped = self.output_processor.update_text(updated)
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
             outputs = self.output_processor.make_outputs(updated)
             self.stats.record_step(self.scheduler, out, updated, outputs, time.perf_counter() - start)
         if self.transfer is not None:
-            with record_function("kv_tiers"):
+            with named_range("kv_tiers"):
                 self.transfer.save(self.kv.take_pending_saves())  # blocks this step filled
         self._publish_kv_events()
         self._check_if_idle()

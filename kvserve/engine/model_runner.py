@@ -12,10 +12,10 @@ mapping, block tables and window; the model gets one metadata per layer.
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
 from kvserve.engine.beam_search import row_candidates
 from kvserve.engine.kv_transfer import KVTransfer
+from kvserve.engine.ranges import named_range
 from kvserve.engine.request import Request
 from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOutput
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
@@ -86,11 +86,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
-        with record_function("prepare_inputs"):
+        with named_range("prepare_inputs"):
             self._move_blocks(out)
             batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens > 1)  # decodes first, stable
             input_ids, positions, meta, sample_rows = self._prepare(batch)
-        with record_function("model_forward"):
+        with named_range("model_forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         requests = [s.request for s in batch if s.samples]
         rows = [sample_rows[r.seq_id] for r in requests]
@@ -116,7 +116,7 @@ class ModelRunner:
         if others:
             sampled = self._sample(hidden[[rows[i] for i in others]], [requests[i] for i in others])
             out = {requests[i].seq_id: t for i, t in zip(others, sampled, strict=True)}
-        with record_function("beam_logprobs"):
+        with named_range("beam_logprobs"):
             logits = self.model.compute_logits(hidden[[rows[i] for i in beams]])
             logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
             k = max(requests[i].beam.search.beams_to_keep for i in beams)
@@ -126,7 +126,7 @@ class ModelRunner:
         return out
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
-        with record_function("logits"):
+        with named_range("logits"):
             greedy = None
             if Sampler.argmax_only(requests):
                 masked = Sampler.masked_tokens(requests, self.model.config.vocab_size)
@@ -134,7 +134,7 @@ class ModelRunner:
             if greedy is not None:  # the LM head's own argmax: no logits written
                 return [SampledToken(t) for t in greedy.tolist()]
             logits = self.model.compute_logits(hidden)
-        with record_function("sample"):
+        with named_range("sample"):
             return self.sampler(logits, requests)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
