@@ -555,7 +555,11 @@ void run(const Problem<T>& p, const std::vector<Item>& whole) {
   const std::vector<Item> items =
       static_cast<int64_t>(whole.size()) < threads ? split_keys(p, whole, threads) : whole;
   const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t unit_floats = p.kv_heads * kQueryTile * p.group * (D + 2);
+  // scratch and partial states sized for the largest item's rows (a decode's 1 x group, not a
+  // whole query tile's): zeroing the tile's size each call was most of a short context's time
+  int64_t max_rows = 0;
+  for (const Item& it : items) max_rows = std::max(max_rows, (it.last - it.first) * p.group);
+  const int64_t unit_floats = p.kv_heads * max_rows * (D + 2);
   const bool split = n_items > static_cast<int64_t>(whole.size());
   std::vector<float> partial(split ? n_items * unit_floats : 0);
   std::atomic<int64_t> next{0};
@@ -567,7 +571,7 @@ void run(const Problem<T>& p, const std::vector<Item>& whole) {
   // threads one by one instead, or one thread would run the whole call while the other waited.
   const bool by_head = !split && n_items < threads;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch sc(kQueryTile * p.group, D);
+    Scratch sc(max_rows, D);
     auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
     if (by_head) {
       for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
