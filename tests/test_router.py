@@ -303,10 +303,7 @@ def test_without_a_tokenizer_a_cut_stream_starts_again_and_skips_what_the_client
     assert progress.text == "Helloé" and progress.token_ids == [11, 12, 13]
 
 
-# --- the cluster ----------------------------------------------------------------------------------
-
-
-def test_an_upstream_event_longer_than_aiohttps_line_limit_comes_through_whole():
+def test_an_upstream_event_of_hundreds_of_kib_comes_through_whole():
     """A chat stream's first event carries the prompt's token ids: hundreds of KiB for a long
     prompt, more than aiohttp's read buffer (64 KiB) holds at once."""
     from aiohttp import ClientSession, web
@@ -343,6 +340,9 @@ def test_an_upstream_event_longer_than_aiohttps_line_limit_comes_through_whole()
             await runner.cleanup()
 
     assert asyncio.run(relay()) == sent
+
+
+# --- the cluster ----------------------------------------------------------------------------------
 
 
 def free_port(pair: bool = False) -> int:

@@ -7,7 +7,6 @@ enters six or seven: a range is opened only while a profiler runs.
 from __future__ import annotations
 
 import contextlib
-from contextlib import AbstractContextManager
 
 import torch.autograd.profiler
 from torch.profiler import record_function
@@ -15,5 +14,7 @@ from torch.profiler import record_function
 _NONE = contextlib.nullcontext()
 
 
-def named_range(name: str) -> AbstractContextManager:
-    return record_function(name) if torch.autograd.profiler._is_profiler_enabled else _NONE
+def named_range(name: str) -> contextlib.AbstractContextManager:
+    # torch's own flag (private: where a torch lacks it, every range is opened as before)
+    profiling = getattr(torch.autograd.profiler, "_is_profiler_enabled", True)
+    return record_function(name) if profiling else _NONE
