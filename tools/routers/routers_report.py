@@ -113,7 +113,10 @@ def decision_lines(report: dict[str, Any]) -> list[str]:
     row = lambda name, s: f"| {name} | {s['p50_ms']:.3f} | {s['p99_ms']:.3f} | {s['max_ms']:.3f} |"  # noqa: E731
     return [
         f"In process, {d['prompt_tokens']}-token prompt, block size {d['block_size']}, two replicas whose "
-        f"indexes hold all of it / half of it, {d['reps']} repetitions (load {d['load'][0]:.2f}):",
+        f"indexes hold all of it / half of it, {d['reps']} repetitions (load {d['load'][0]:.2f})"
+        + (f", block keys hashed in {d['hashed_in']}" if "hashed_in" in d else "")
+        + (" (the C extension is not built here)" if d.get("hashed_in") == "Python" else "")
+        + ":",
         "",
         "| step | p50 (ms) | p99 (ms) | max (ms) |",
         "| --- | ---: | ---: | ---: |",
