@@ -12,9 +12,9 @@ import math
 
 import pytest
 import torch
-from test_cpu_attention import BS, make_batch
+from test_cpu_attention import BS, PREFILL_PATHS, assert_prefill_close, make_batch
 
-from kvserve.kernels import build, prefill_attention, small_batch_linear
+from kvserve.kernels import build, prefill_attention
 from kvserve.layers.attention.backend import TorchAttention
 from kvserve.layers.attention.cpu import CpuPagedAttention
 
@@ -95,7 +95,7 @@ def test_paged_kernel_float32_matches_and_never_reads_past_the_window(decode_len
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["f32", *small_batch_linear.bf16_paths()])
+@pytest.mark.parametrize("path", PREFILL_PATHS)
 @pytest.mark.parametrize("decode_lens, prefills, window", CASES)
 def test_prefill_kernel_matches_and_never_reads_past_the_window(decode_lens, prefills, window, path):
     dtype = prefill_attention.DTYPES[path]
@@ -103,5 +103,4 @@ def test_prefill_kernel_matches_and_never_reads_past_the_window(decode_lens, pre
     out = CpuPagedAttention(max_prefill_queries=0, prefill_kernel=path).forward(q, k, v, poisoned, meta)
     assert not out.isnan().any()
     ref = TorchAttention().forward(*(t.float() for t in (q, k, v, kv)), meta)
-    tol = 1e-5 if path == "f32" else 1e-2  # bf16: P in bf16, as test_cpu_attention allows
-    torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol)
+    assert_prefill_close(out, ref, path)

@@ -100,6 +100,25 @@ std::vector<Item> make_items(const P& p, int64_t num_seqs, int64_t kv_heads) {
   return items;
 }
 
+// attend(item, scratch) for every item, each thread pulling the next in turn, between its
+// begin() and end() (AMX's tile configuration). The scratch is kept per thread: building
+// the bf16 path's 200 KB anew (zeroed, page-faulted in) cost ~7 us a call, half of a
+// one-token chunk's whole call. On the heap, not a thread_local object: GCC specialised
+// attend_step for that object's address, and then looked the address up (__tls_get_addr,
+// behind a vzeroupper) on every access in its loops.
+template <typename S, typename Attend>
+void run_items(const std::vector<Item>& items, Attend attend, void (*begin)() = nullptr, void (*end)() = nullptr) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    static thread_local std::unique_ptr<S> scratch;
+    if (!scratch) scratch = std::make_unique<S>();
+    if (begin) begin();
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
+      attend(items[w], *scratch);
+    if (end) end();
+  });
+}
+
 #if defined(__AVX512BF16__)
 
 constexpr int64_t kRows = 16;     // folded query rows per tile
@@ -601,14 +620,8 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
 }
 
 void run(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
-  const std::vector<Item> items = make_items<kRows, kRowTiles>(p, num_seqs, kv_heads);
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    static thread_local std::unique_ptr<Scratch> scratch;  // as the bf16 path's, kept per thread
-    if (!scratch) scratch = std::make_unique<Scratch>();
-    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
-      attend_item(p, items[w], *scratch);
-  });
+  run_items<Scratch>(make_items<kRows, kRowTiles>(p, num_seqs, kv_heads),
+                     [&](const Item& it, Scratch& sc) { attend_item(p, it, sc); });
 }
 
 }  // namespace f32
@@ -662,29 +675,15 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   Problem p;
   fill(p);
   const std::vector<Item> items = make_items<kRows, kRowTiles>(p, lens.size(0), k_cache.size(2));
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    // kept per thread: building its 200 KB anew (zeroed, page-faulted in) cost ~7 us a call,
-    // half of a one-token chunk's whole call. On the heap, not a thread_local object: GCC
-    // specialised attend_step for that object's address, and then looked the address up
-    // (__tls_get_addr, behind a vzeroupper) on every access in its loops.
-    static thread_local std::unique_ptr<Scratch> scratch;
-    if (!scratch) scratch = std::make_unique<Scratch>();
-    Scratch& sc = *scratch;
-    const auto run = [&](auto attend) {
-      for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < static_cast<int64_t>(items.size());)
-        attend(p, items[w], sc);
-    };
 #if KVSERVE_AMX
-    if (use_amx) {
-      configure_tiles();
-      run(attend_item<true>);
-      _tile_release();
-      return;
-    }
+  if (use_amx) {
+    run_items<Scratch>(
+        items, [&](const Item& it, Scratch& sc) { attend_item<true>(p, it, sc); }, configure_tiles,
+        [] { _tile_release(); });
+    return;
+  }
 #endif
-    run(attend_item<false>);
-  });
+  run_items<Scratch>(items, [&](const Item& it, Scratch& sc) { attend_item<false>(p, it, sc); });
 #else
   TORCH_CHECK(false, "prefill_attention in bf16 needs AVX512-BF16; this build has none");
 #endif

@@ -24,7 +24,7 @@ from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, Torc
 
 # Prefill chunks up to this many queries go to the paged kernel, by the prefill kernel the
 # CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp16;
-# fp32 off AVX2; fp32 on AVX2 before its kernel), the paged kernel's per-key dot products beat
+# fp32 where the kernels are not built for AVX2), the paged kernel's per-key dot products beat
 # SDPA's matmuls on short chunks (crossover at ~16-24 queries in bf16, ~32-48 in fp32,
 # SmolLM2 shapes); longer chunks go to SDPA's flash kernel (called with 4-D inputs: 3-D ones
 # take SDPA's much slower math path). The dot-product prefill kernel (AVX512-BF16, no AMX:
