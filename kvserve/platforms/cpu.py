@@ -5,7 +5,7 @@
 - element-wise ops: the fused kernels of `kernels/layer_ops` for fp32 and bf16;
 - whole KV blocks to and from the tiers: `kernels/block_copy`;
 - projections: pre-packed for oneDNN where it multiplies the dtype, and for kvserve's
-  small-batch kernel where the CPU has a path for it;
+  small-batch kernel where the CPU has a path for it, that copy on huge pages (`huge_pages`);
 - the C++ layer loop (`kernels/decoder`) where every op of a layer has a kernel and the
   model describes its layers (`decoder_layer_weights`). The Python layers cost ~6 ms of
   interpreter time per step on SmolLM2 (30 layers x ~10 small ops), and the cache
@@ -32,6 +32,8 @@ from kvserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.layers.attention.cpu import CpuPagedAttention
 from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 from kvserve.layers.linear import PackedLinear, can_pack
+from kvserve.logger import logger
+from kvserve.platforms.huge_pages import move_to_huge_pages
 from kvserve.platforms.interface import Platform
 
 
@@ -64,6 +66,10 @@ class CpuPlatform(Platform):
         if not can_pack(self.dtype, self.device):
             return
         model.pack_linears()
+        small = [m.small for m in model.modules() if isinstance(m, PackedLinear) and m.small is not None]
+        if small:
+            moved, pages = move_to_huge_pages(small)
+            logger.info("small-batch weights: %.0f MB on %s", moved / 1e6, pages)
         model.layer_loop = self.layer_loop(model)
 
     def layer_loop(self, model: nn.Module) -> CpuLayerLoop | None:
