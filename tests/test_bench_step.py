@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from kvserve.bench import roofline
 from kvserve.bench.roofline import Roofline, matmul_gflops, read_gb_per_s
 from kvserve.bench.step import FORWARD_CATEGORIES, STEP_RANGES, matmul_weights, run_step_bench
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.models.loader import iter_weights
+from kvserve.platforms.huge_pages import huge_page_buffer
 
 LIMITS = Roofline("float32", matmul_gflops=100.0, read_gb_per_s=10.0)  # fixed: the test checks arithmetic
 
@@ -49,3 +51,15 @@ def test_roofline_measures_positive_rates():
     cpu = torch.device("cpu")
     assert matmul_gflops(torch.float32, cpu, m=64, k=64, n=64, repeats=2) > 0
     assert read_gb_per_s(cpu, size_bytes=1 << 20, repeats=2) > 0
+
+
+def test_cpu_read_bandwidth_is_also_measured_on_the_weights_huge_pages(monkeypatch):
+    asked = []
+
+    def buffer(nbytes: int):
+        asked.append(nbytes)
+        return huge_page_buffer(nbytes)
+
+    monkeypatch.setattr(roofline, "huge_page_buffer", buffer)
+    assert read_gb_per_s(torch.device("cpu"), size_bytes=1 << 20, repeats=2) > 0
+    assert asked == [1 << 20]

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvserve.platforms.huge_pages import huge_page_buffer
+
 
 @dataclass
 class Roofline:
@@ -43,9 +45,19 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, m: int, k: int, n: i
 
 
 def read_gb_per_s(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    x = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
-    seconds = _best_seconds(lambda: x.sum(), repeats, device)
-    return size_bytes / seconds / 1e9
+    """The best rate of full reads of a tensor much larger than the caches. On a CPU it is read
+    on plain pages and on the huge pages kvserve puts its weights on where the OS gives them,
+    and the faster counts: reading on 2 MB pages can be 30% faster, and a step reading its
+    weights there must be judged against that."""
+    rates = [_read_gb_per_s(torch.ones(size_bytes // 4, device=device), repeats, device)]
+    if device.type == "cpu":
+        buffer, _ = huge_page_buffer(size_bytes)
+        rates.append(_read_gb_per_s(buffer[:size_bytes].view(torch.float32).fill_(1.0), repeats, device))
+    return max(rates)
+
+
+def _read_gb_per_s(x: torch.Tensor, repeats: int, device: torch.device) -> float:
+    return x.numel() * x.element_size() / _best_seconds(lambda: x.sum(), repeats, device) / 1e9
 
 
 def measure(dtype: torch.dtype, device: torch.device) -> Roofline:
