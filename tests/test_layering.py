@@ -22,7 +22,7 @@ ALLOWED = {
     "kv_events": {"kv_cache", "logger"},
     "kernels": {"config", "logger"},
     "layers": {"kernels", "outputs", "sampling_params"},
-    "platforms": {"kernels", "layers"},
+    "platforms": {"kernels", "layers", "logger"},
     "models": {"platforms", "layers", "kernels", "config", "logger"},
     "engine": {"models", "platforms", "layers", "kv_cache", "kv_events", *FOUNDATION},
     "server": {"engine", "kv_cache", "kv_events", *FOUNDATION},
