@@ -11,10 +11,18 @@ from kvserve.engine.llm_engine import LLMEngine
 from kvserve.kernels.small_batch_linear import SmallBatchWeight
 from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 from kvserve.layers.linear import PackedLinear
-from kvserve.platforms.huge_pages import ALIGN, HUGE_PAGE, huge_page_buffer, move_to_huge_pages
+from kvserve.platforms.huge_pages import (
+    ALIGN,
+    HUGE_PAGE,
+    PLAIN,
+    RESERVED,
+    TRANSPARENT,
+    huge_page_buffer,
+    move_to_huge_pages,
+)
 
 FP32_ISA = small_batch_isa(torch.float32)
-PAGES = ("reserved huge pages", "transparent huge pages where the kernel grants them", "4 KB pages")
+PAGES = (RESERVED, TRANSPARENT, PLAIN)
 
 
 def test_the_buffer_is_zeroed_aligned_and_whole_huge_pages() -> None:

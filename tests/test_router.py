@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +26,7 @@ import pytest
 from test_server_common import TINY_ARGS, metrics, write_keys
 
 from kvserve.detokenizer import IncrementalDetokenizer
+from kvserve.entrypoints.cluster import free_port
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvserve.kv_cache.prefix_cache import extra_key
@@ -343,22 +343,6 @@ def test_an_upstream_event_of_hundreds_of_kib_comes_through_whole():
 
 
 # --- the cluster ----------------------------------------------------------------------------------
-
-
-def free_port(pair: bool = False) -> int:
-    """A free port (and, with `pair`, the next one free too: a replica's events and their replay)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not pair:
-            return port
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port + 1))
-                return port
-            except OSError:
-                continue
 
 
 @dataclass

@@ -37,8 +37,11 @@ def chain_keys_hashlib(parent: bytes, token_ids: Sequence[int], block_size: int,
 
 try:
     from kvserve.kv_cache._block_keys import chain_keys
+
+    HASHED_IN = "C"
 except ImportError:  # not built (no C compiler or no libcrypto.so.3 at install)
     chain_keys = chain_keys_hashlib
+    HASHED_IN = "Python"
 
 
 def extend_keys(

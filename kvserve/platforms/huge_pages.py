@@ -21,36 +21,43 @@ from kvserve.kernels.small_batch_linear import SmallBatchWeight
 HUGE_PAGE = 2 << 20
 MAP_HUGETLB = 0x40000  # Linux's flag; Python's mmap module does not name it
 ALIGN = 64  # each weight starts on a cache line
+# where a buffer's pages come from, as the log says it
+RESERVED = "reserved huge pages"
+TRANSPARENT = "transparent huge pages where the kernel grants them"
+PLAIN = "4 KB pages"
 
 
 def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, str]:
     """A zeroed uint8 buffer of at least `nbytes`, 2 MB-aligned, and where its pages come from."""
-    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    size = _round_up(nbytes, HUGE_PAGE)
     if sys.platform == "linux":
         try:
             reserved = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB)
-            return torch.frombuffer(reserved, dtype=torch.uint8), "reserved huge pages"
+            return torch.frombuffer(reserved, dtype=torch.uint8), RESERVED
         except OSError:  # none reserved, or too few free
             pass
     region = mmap.mmap(-1, size + HUGE_PAGE)
     buffer = torch.frombuffer(region, dtype=torch.uint8)  # keeps `region` mapped
     start = -buffer.data_ptr() % HUGE_PAGE  # a huge page covers only an aligned 2 MB
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE, start, size)  # before the pages are first touched
-        return buffer[start : start + size], "transparent huge pages where the kernel grants them"
-    return buffer[start : start + size], "4 KB pages"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return buffer[start : start + size], PLAIN
+    region.madvise(mmap.MADV_HUGEPAGE, start, size)  # before the pages are first touched
+    return buffer[start : start + size], TRANSPARENT
 
 
 def move_to_huge_pages(weights: list[SmallBatchWeight]) -> tuple[int, str]:
     """Copy every weight's packed tensor into one huge-page buffer and use the copy; returns
     the bytes moved and where the buffer's pages come from."""
     sizes = [w.packed.numel() * w.packed.element_size() for w in weights]
-    offsets = [0]
-    for n in sizes:
-        offsets.append(offsets[-1] + -(-n // ALIGN) * ALIGN)
-    buffer, pages = huge_page_buffer(max(offsets[-1], 1))
-    for w, n, offset in zip(weights, sizes, offsets[:-1], strict=True):
+    buffer, pages = huge_page_buffer(max(sum(_round_up(n, ALIGN) for n in sizes), 1))
+    offset = 0
+    for w, n in zip(weights, sizes, strict=True):
         moved = buffer[offset : offset + n].view(w.packed.dtype).view(w.packed.shape)
         moved.copy_(w.packed)
         w.packed = moved
+        offset += _round_up(n, ALIGN)
     return sum(sizes), pages
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -29,7 +29,7 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from kvserve.kv_cache import block_keys as block_keys_module
+from kvserve.kv_cache.block_keys import HASHED_IN
 from kvserve.logger import logger
 from kvserve.router.args import KV_OVERLAP_SCORE_WEIGHT
 from kvserve.router.dashboard import router_state
@@ -133,7 +133,7 @@ class Router:
                 "router: no --cache-secret: replicas' KV events cannot be matched to requests; "
                 "routing by what the router sent each replica"
             )
-        if block_keys_module.chain_keys is block_keys_module.chain_keys_hashlib:
+        if HASHED_IN == "Python":
             logger.warning("router: block keys hashed in Python (the C extension is not built): ~4x slower decisions")
         # without the replicas' secret a random one still keys the router's own record consistently
         self.secret = settings.cache_secret or secrets.token_bytes(32)

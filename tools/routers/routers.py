@@ -34,6 +34,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from routers_report import write_report
 
 from kvserve.entrypoints.cluster import _die_with_parent, core_groups, free_port
+from kvserve.kv_cache.block_keys import HASHED_IN
 
 ANCHORS_ENV = "ANCHORS"
 # policy name -> (label, which router runs it)
@@ -473,13 +474,11 @@ def decision_micro(block_size: int, reps: int) -> dict[str, Any]:
         hashed.append(t2 - t0)
         decide.append(t2 - t1)
         cpu.append(c2 - c0)  # this thread's CPU time: the work itself, without the time others' processes took the core
-    from kvserve.kv_cache import block_keys as block_keys_module
-
     return {
         "prompt_tokens": len(ids),
         "block_size": block_size,
         "reps": reps,
-        "hashed_in": "Python" if block_keys_module.chain_keys is block_keys_module.chain_keys_hashlib else "C",
+        "hashed_in": HASHED_IN,
         "hash_and_decision": _percentiles(hashed),
         "hash_and_decision_cpu": _percentiles(cpu),
         "decision_only": _percentiles(decide),
