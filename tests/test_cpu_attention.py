@@ -108,8 +108,8 @@ def num_threads(request):
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fewer_sequences_than_threads(decode_lens, prefills, dtype, num_threads):
-    """Fewer work items than threads: each sequence's keys split into runs of whole tiles
-    (64 keys), one per thread, merged after; a sequence of one tile hands out its KV heads."""
+    """Fewer work items than threads: each sequence's keys split into equal runs (cut at
+    16-key blocks), one per thread, merged after; a sequence of one tile hands out its KV heads."""
     batch = make_batch(decode_lens, prefills, 9, 3, 64, dtype, seed=2)
     out, ref = run_both(CpuPagedAttention(max_prefill_queries=16), *batch, reference_dtype=torch.float32)
     if dtype == torch.bfloat16:

@@ -12,7 +12,7 @@
 //
 // Work items are (sequence, tile of up to kQueryTile query rows); a thread runs an
 // item's KV heads one after another. With fewer items than threads (a single stream),
-// each item's keys are split into runs of whole tiles, one per thread, and the runs'
+// each item's keys are split into equal runs (to a block), one per thread, and the runs'
 // partial softmax states (max, sum, output) merge at the end (split-K, as vLLM's paged
 // attention v2 does for long contexts). Each KV head's pass handles every query head that
 // shares it (GQA), so each K/V row is read from memory once, and keeps fp32 running
@@ -45,6 +45,7 @@ namespace {
 
 constexpr int64_t kTileTokens = 64;  // keys per online-softmax step: a multiple of W
 constexpr int64_t kQueryTile = 8;    // query rows of one sequence per work item
+constexpr int64_t kSplitKeys = 16;   // split-K runs start at multiples of this many keys
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 static_assert(kTileTokens % W == 0, "score rows are processed in whole vectors");
 
@@ -101,7 +102,20 @@ struct Scratch {
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows),
         limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens) {}
+  // Room for `rows` rows of `d` dims; what the buffers held is overwritten before it is read.
+  void reserve(int64_t rows, int64_t d) {
+    if (static_cast<int64_t>(q.size()) < rows * d || static_cast<int64_t>(m.size()) < rows) *this = Scratch(rows, d);
+  }
 };
+
+// Each thread's scratch, kept between calls: allocating it was ~1 us of a layer's call. Not
+// inlined: where the hot loops used the thread_local itself, its address was looked up
+// again (a call, every vector register spilled) inside them.
+[[gnu::noinline]] Scratch& thread_scratch(int64_t rows, int64_t d) {
+  thread_local Scratch sc(0, 0);
+  sc.reserve(rows, d);
+  return sc;
+}
 
 // The item's queries (row r = query (r / group), head r % group of the group): scaled
 // fp32 copies, or the stored bf16 for the key-lanes path; zeroed state, and each row's
@@ -434,11 +448,15 @@ int64_t item_tiles(const Problem<T>& p, const Item& it) {
   return (item_keys(p, it) - item_first_key(p, it) + kTileTokens - 1) / kTileTokens;
 }
 
-// The keys [begin, end) this item reads: its run of those tiles.
+// The keys [begin, end) this item reads: its share of them, cut at whole blocks of
+// kSplitKeys so the runs are equal to a block. Runs of whole tiles were not: a context of
+// 5 tiles left one thread 3 of them and the other waiting for it.
 template <typename T>
 std::pair<int64_t, int64_t> key_range(const Problem<T>& p, const Item& it) {
-  const int64_t first = item_first_key(p, it), end = item_keys(p, it), tiles = item_tiles(p, it);
-  auto edge = [&](int64_t part) { return std::min(end, first + tiles * part / it.parts * kTileTokens); };
+  const int64_t first = item_first_key(p, it), end = item_keys(p, it);
+  auto edge = [&](int64_t part) {
+    return part == it.parts ? end : first + (end - first) * part / it.parts / kSplitKeys * kSplitKeys;
+  };
   return {edge(it.part), edge(it.part + 1)};
 }
 
@@ -571,7 +589,7 @@ void run(const Problem<T>& p, const std::vector<Item>& whole) {
   // threads one by one instead, or one thread would run the whole call while the other waited.
   const bool by_head = !split && n_items < threads;
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    Scratch sc(max_rows, D);
+    Scratch& sc = thread_scratch(max_rows, D);
     auto claim = [&] { return next.fetch_add(1, std::memory_order_relaxed); };
     if (by_head) {
       for (int64_t u; (u = claim()) < n_items * p.kv_heads;) {
@@ -675,11 +693,10 @@ std::vector<int64_t> head_dims(std::integer_sequence<int, Ds...>) {
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                      const at::Tensor& context_lens, double scale, int64_t window) {
-  // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor starts = query_start.to(at::kLong).contiguous();
-  const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
-  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  const at::Tensor tables = as_contiguous(block_tables, at::kLong);
+  const at::Tensor starts = as_contiguous(query_start, at::kLong);
+  const at::Tensor qlens = as_contiguous(query_lens, at::kLong);
+  const at::Tensor lens = as_contiguous(context_lens, at::kInt);
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
   auto launch = [&](auto zero) {
     using T = decltype(zero);

@@ -633,11 +633,10 @@ void run(const Problem& p, int64_t num_seqs, int64_t kv_heads) {
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                        const at::Tensor& context_lens, double scale, int64_t window, bool use_amx) {
-  // no-ops when the caller already passes these dtypes (the model runner's int64 / int32)
-  const at::Tensor tables = block_tables.to(at::kLong).contiguous();
-  const at::Tensor starts = query_start.to(at::kLong).contiguous();
-  const at::Tensor qlens = query_lens.to(at::kLong).contiguous();
-  const at::Tensor lens = context_lens.to(at::kInt).contiguous();
+  const at::Tensor tables = as_contiguous(block_tables, at::kLong);
+  const at::Tensor starts = as_contiguous(query_start, at::kLong);
+  const at::Tensor qlens = as_contiguous(query_lens, at::kLong);
+  const at::Tensor lens = as_contiguous(context_lens, at::kInt);
   check_attention_inputs(out, q, k_cache, v_cache, tables, starts, qlens, lens);
   TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim && k_cache.size(1) % 16 == 0,
               "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
