@@ -10,7 +10,7 @@ from kvserve.bench.step import FORWARD_CATEGORIES, STEP_RANGES, matmul_weights, 
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.models.loader import iter_weights
-from kvserve.platforms.huge_pages import huge_page_buffer
+from kvserve.platforms.huge_pages import PLAIN, RESERVED, TRANSPARENT, huge_page_buffer
 
 LIMITS = Roofline("float32", matmul_gflops=100.0, read_gb_per_s=10.0)  # fixed: the test checks arithmetic
 
@@ -50,7 +50,8 @@ def test_step_bench_decodes_the_batch_and_frees_it(tiny_model_dir):
 def test_roofline_measures_positive_rates():
     cpu = torch.device("cpu")
     assert matmul_gflops(torch.float32, cpu, m=64, k=64, n=64, repeats=2) > 0
-    assert read_gb_per_s(cpu, size_bytes=1 << 20, repeats=2) > 0
+    rate, pages = read_gb_per_s(cpu, size_bytes=1 << 20, repeats=2)
+    assert rate > 0 and pages in (PLAIN, RESERVED, TRANSPARENT)
 
 
 def test_cpu_read_bandwidth_is_also_measured_on_the_weights_huge_pages(monkeypatch):
@@ -61,5 +62,5 @@ def test_cpu_read_bandwidth_is_also_measured_on_the_weights_huge_pages(monkeypat
         return huge_page_buffer(nbytes)
 
     monkeypatch.setattr(roofline, "huge_page_buffer", buffer)
-    assert read_gb_per_s(torch.device("cpu"), size_bytes=1 << 20, repeats=2) > 0
+    assert read_gb_per_s(torch.device("cpu"), size_bytes=1 << 20, repeats=2)[0] > 0
     assert asked == [1 << 20]

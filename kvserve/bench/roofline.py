@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.platforms.huge_pages import huge_page_buffer
+from kvserve.platforms.huge_pages import PLAIN, huge_page_buffer
 
 
 @dataclass
@@ -23,6 +23,7 @@ class Roofline:
     matmul_gflops: float  # best of a few [m, k] x [k, n] matmuls, GFLOP/s
     read_gb_per_s: float  # best of a few full reads of a tensor much larger than the caches
     device: str = "cpu"
+    read_pages: str = ""  # on a CPU, the pages of that read: a share judged on 4 KB pages flatters
 
 
 def _best_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
@@ -44,15 +45,17 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, m: int, k: int, n: i
     return 2 * m * k * n / seconds / 1e9
 
 
-def read_gb_per_s(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """The best rate of full reads of a tensor much larger than the caches. On a CPU it is read
-    on plain pages and on the huge pages kvserve puts its weights on where the OS gives them,
-    and the faster counts: reading on 2 MB pages can be 30% faster, and a step reading its
+def read_gb_per_s(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, str]:
+    """The best rate of full reads of a tensor much larger than the caches, and on a CPU the
+    pages it was read on. A CPU reads on plain pages and on the huge pages kvserve puts its
+    weights on where the OS gives them (too few reserved pages left: plain ones again), and
+    the faster counts: reading on 2 MB pages can be 30% faster, and a step reading its
     weights there must be judged against that."""
-    rates = [_read_gb_per_s(torch.ones(size_bytes // 4, device=device), repeats, device)]
-    if device.type == "cpu":
-        buffer, _ = huge_page_buffer(size_bytes)
-        rates.append(_read_gb_per_s(buffer[:size_bytes].view(torch.float32).fill_(1.0), repeats, device))
+    rates = [(_read_gb_per_s(torch.ones(size_bytes // 4, device=device), repeats, device), PLAIN)]
+    if device.type != "cpu":
+        return rates[0][0], ""
+    buffer, pages = huge_page_buffer(size_bytes)
+    rates.append((_read_gb_per_s(buffer[:size_bytes].view(torch.float32).fill_(1.0), repeats, device), pages))
     return max(rates)
 
 
@@ -63,6 +66,5 @@ def _read_gb_per_s(x: torch.Tensor, repeats: int, device: torch.device) -> float
 def measure(dtype: torch.dtype, device: torch.device) -> Roofline:
     # a GPU needs a far larger product than a CPU to reach its peak (launch cost, thousands of cores)
     m, k, n = (8192, 8192, 8192) if device.type == "cuda" else (512, 2048, 2048)
-    return Roofline(
-        str(dtype).removeprefix("torch."), matmul_gflops(dtype, device, m, k, n), read_gb_per_s(device), device.type
-    )
+    rate, pages = read_gb_per_s(device)
+    return Roofline(str(dtype).removeprefix("torch."), matmul_gflops(dtype, device, m, k, n), rate, device.type, pages)

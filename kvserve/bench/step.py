@@ -153,9 +153,10 @@ def run_step_bench(
 
 def print_table(results: list[StepResult], roofline: Roofline) -> None:
     console = Console()
+    pages = f" (on {roofline.read_pages})" if roofline.read_pages else ""
     console.print(
         f"roofline ({roofline.dtype}, {roofline.device}): matmul {roofline.matmul_gflops:.0f} GFLOP/s, "
-        f"memory read {roofline.read_gb_per_s:.1f} GB/s"
+        f"memory read {roofline.read_gb_per_s:.1f} GB/s{pages}"
     )
     table = Table(title="decode step")
     for col in ("batch", "context", "step ms", "tok/s", "GFLOP/s", "of matmul limit", "weights GB/s", "of bandwidth"):
