@@ -48,7 +48,7 @@ def matmul_gflops(dtype: torch.dtype, device: torch.device, m: int, k: int, n: i
 def read_gb_per_s(device: torch.device, size_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, str]:
     """The best rate of full reads of a tensor much larger than the caches, and on a CPU the
     pages it was read on. A CPU reads on plain pages and on the huge pages kvserve puts its
-    weights on where the OS gives them (too few reserved pages left: plain ones again), and
+    weights on where the OS gives them (too few reserved pages left: transparent or plain), and
     the faster counts: reading on 2 MB pages can be 30% faster, and a step reading its
     weights there must be judged against that."""
     rates = [(_read_gb_per_s(torch.ones(size_bytes // 4, device=device), repeats, device), PLAIN)]

@@ -38,7 +38,7 @@ int64_t block_bytes(const std::vector<at::Tensor>& caches) {
 }
 
 std::vector<int64_t> checked_ids(const at::Tensor& block_ids, int64_t num_blocks) {
-  const at::Tensor ids = block_ids.to(at::kLong).contiguous();
+  const at::Tensor ids = as_contiguous(block_ids, at::kLong);
   std::vector<int64_t> out(ids.data_ptr<int64_t>(), ids.data_ptr<int64_t>() + ids.numel());
   for (int64_t id : out) TORCH_CHECK(id >= 0 && id < num_blocks, "block copy: block id ", id, " out of range");
   return out;

@@ -24,7 +24,8 @@ void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at
                             const at::Tensor& v_cache, const at::Tensor& tables, const at::Tensor& query_start,
                             const at::Tensor& query_lens, const at::Tensor& context_lens);
 // t as a contiguous tensor of dtype s: t itself when it already is (the model runner's
-// int64 / int32 plans), without the dispatcher's round trips `.to(s).contiguous()` takes.
+// int64 / int32 plans and block ids), without the dispatcher's round trips of
+// `.to(s).contiguous()`.
 inline at::Tensor as_contiguous(const at::Tensor& t, at::ScalarType s) {
   return t.scalar_type() == s && t.is_contiguous() ? t : t.to(s).contiguous();
 }

@@ -12,7 +12,7 @@
 //
 // Work items are (sequence, tile of up to kQueryTile query rows); a thread runs an
 // item's KV heads one after another. With fewer items than threads (a single stream),
-// each item's keys are split into equal runs (to a block), one per thread, and the runs'
+// each item's keys are split into equal runs (to 16 keys), one per thread, and the runs'
 // partial softmax states (max, sum, output) merge at the end (split-K, as vLLM's paged
 // attention v2 does for long contexts). Each KV head's pass handles every query head that
 // shares it (GQA), so each K/V row is read from memory once, and keeps fp32 running
@@ -448,8 +448,8 @@ int64_t item_tiles(const Problem<T>& p, const Item& it) {
   return (item_keys(p, it) - item_first_key(p, it) + kTileTokens - 1) / kTileTokens;
 }
 
-// The keys [begin, end) this item reads: its share of them, cut at whole blocks of
-// kSplitKeys so the runs are equal to a block. Runs of whole tiles were not: a context of
+// The keys [begin, end) this item reads: its share of them, cut at multiples of kSplitKeys,
+// so the runs differ by at most that many keys. Runs of whole tiles did not: a context of
 // 5 tiles left one thread 3 of them and the other waiting for it.
 template <typename T>
 std::pair<int64_t, int64_t> key_range(const Problem<T>& p, const Item& it) {
