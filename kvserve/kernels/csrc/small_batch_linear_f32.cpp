@@ -55,11 +55,19 @@ inline void load_k(const at::BFloat16* w, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));  // stored positions 4-7, 12-15
 }
 
+// out[0 .. cols) = one row's sums of a group (columns 0-7 in lo, 8-15 in hi) + bias.
+inline void store_sums(__m256 lo, __m256 hi, float* out, int64_t cols, const float* bias) {
+  alignas(32) float sums[kGroupCols];
+  _mm256_store_ps(sums, lo);
+  _mm256_store_ps(sums + 8, hi);
+  for (int64_t c = 0; c < cols; ++c) out[c] = sums[c] + (bias ? bias[c] : 0.f);
+}
+
 // out[r, col0 .. col0 + cols) = x[r] . group (+ bias) for the R rows at x; w: the group, [K, 16].
 template <int R, typename W>
 void group_rows(const float* x, int64_t xs, const W* w, int64_t k, float* out, int64_t os, int64_t cols,
                 const float* bias) {
-  static_assert(R >= 1 && R <= kRowBlock);
+  static_assert(R >= 2 && R <= kRowBlock);  // one row: group_row
   // Named accumulators, not an array: with an array GCC also stored every accumulator to
   // the stack on every k (twice the instructions; 38 instead of 61 GFLOP/s at 6 rows).
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
@@ -82,12 +90,36 @@ void group_rows(const float* x, int64_t xs, const W* w, int64_t k, float* out, i
   }
 #undef KVSERVE_ROW
   const __m256 acc[kRowBlock][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < R; ++r) {
-    alignas(32) float sums[kGroupCols];
-    _mm256_store_ps(sums, acc[r][0]);
-    _mm256_store_ps(sums + 8, acc[r][1]);
-    for (int64_t c = 0; c < cols; ++c) out[r * os + c] = sums[c] + (bias ? bias[c] : 0.f);
+  for (int r = 0; r < R; ++r) store_sums(acc[r][0], acc[r][1], out + r * os, cols, bias);
+}
+
+// One row against a group. Its two FMA chains alone would wait on the FMA's latency at
+// every k (one row then ran at ~28 GB/s of bf16 weights from L2, about the DRAM rate, and
+// below it cold), so the k's go round four pairs of partial sums, added at the end: a row
+// alone rounds differently from the same row in a block of rows.
+template <typename W>
+void group_row(const float* x, const W* w, int64_t k, float* out, int64_t cols, const float* bias) {
+  constexpr int64_t kStride = kGroupCols * sizeof(W), kPerLine = 64 / kStride, kAhead = kPrefetchBytes / kStride;
+  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+  __m256 w0, w1;
+#define KVSERVE_K(i)                                  \
+  {                                                   \
+    const __m256 xr = _mm256_broadcast_ss(x + j + i); \
+    load_k(w + (j + i) * kGroupCols, w0, w1);         \
+    a##i##0 = _mm256_fmadd_ps(xr, w0, a##i##0);       \
+    a##i##1 = _mm256_fmadd_ps(xr, w1, a##i##1);       \
   }
+  int64_t j = 0;
+  for (; j + 4 <= k; j += 4) {
+    for (int64_t line = 0; line < 4; line += kPerLine)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + line + kAhead) * kGroupCols), _MM_HINT_T0);
+    KVSERVE_K(0) KVSERVE_K(1) KVSERVE_K(2) KVSERVE_K(3)
+  }
+  a00 = _mm256_add_ps(_mm256_add_ps(a00, a10), _mm256_add_ps(a20, a30));
+  a01 = _mm256_add_ps(_mm256_add_ps(a01, a11), _mm256_add_ps(a21, a31));
+  for (; j < k; ++j) KVSERVE_K(0)
+#undef KVSERVE_K
+  store_sums(a00, a01, out, cols, bias);
 }
 
 template <typename W>
@@ -96,7 +128,7 @@ using GroupRows = void (*)(const float*, int64_t, const W*, int64_t, float*, int
 template <typename W, int... Rs>
 GroupRows<W> pick(int rows, std::integer_sequence<int, Rs...>) {
   GroupRows<W> f = nullptr;
-  ((rows == Rs + 1 ? (f = &group_rows<Rs + 1, W>, true) : false) || ...);
+  ((rows == Rs + 2 ? (f = &group_rows<Rs + 2, W>, true) : false) || ...);
   return f;
 }
 
@@ -109,8 +141,14 @@ void run_groups(float* op, const float* xp, const W* wp, const float* bias, int6
       const int64_t col = g * kGroupCols, cols = std::min(kGroupCols, n - col);
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock) {
         const int rows = static_cast<int>(std::min<int64_t>(kRowBlock, m - r0));
-        pick<W>(rows, std::make_integer_sequence<int, kRowBlock>{})(
-            xp + r0 * xs, xs, wp + g * k * kGroupCols, k, op + r0 * os + col, os, cols, bias ? bias + col : nullptr);
+        const float *x = xp + r0 * xs, *b = bias ? bias + col : nullptr;
+        const W* w = wp + g * k * kGroupCols;
+        float* out = op + r0 * os + col;
+        if (rows == 1) {
+          group_row(x, w, k, out, cols, b);
+        } else {
+          pick<W>(rows, std::make_integer_sequence<int, kRowBlock - 1>{})(x, xs, w, k, out, os, cols, b);
+        }
       }
     }
   });
