@@ -54,7 +54,7 @@ def make_batch(decode_lens, prefills, heads, kv_heads, head_dim, dtype, seed=0):
         slot_mapping=torch.cat(slots),
         num_decode_tokens=len(decode_lens),
         prefills=prefill_seqs,
-        **_decode_tensors(tables, list(decode_lens), BS),
+        **_decode_tensors(tables, list(decode_lens)),
     )
     q, k, v = (torch.randn(start, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
     return q, k, v, kv, meta

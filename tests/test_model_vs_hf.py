@@ -43,7 +43,6 @@ def prefill_logits(model_dir: Path, token_ids: list[int]) -> torch.Tensor:
         num_decode_tokens=0,
         decode_block_tables=torch.zeros(0, 0, dtype=torch.long),
         decode_context_lens=torch.zeros(0, dtype=torch.int32),
-        decode_mask=torch.zeros(0, 1, 1, 0, dtype=torch.bool),
         prefills=[PrefillSeq(0, n, n, table, None)],
     )
     with torch.inference_mode():

@@ -33,8 +33,6 @@ def windowed_batch(decode_lens, prefills, window, heads=4, kv_heads=1, head_dim=
     meta.sliding_window = window
     tables = meta.decode_block_tables.tolist()
     lens = meta.decode_context_lens.tolist()
-    ctx, keys = meta.decode_context_lens.unsqueeze(1), torch.arange(meta.decode_mask.shape[-1]).unsqueeze(0)
-    meta.decode_mask = ((keys < ctx) & (keys >= ctx - window))[:, None, None, :]
     for seq in meta.prefills:
         seq.sliding_window = window
     poisoned = kv.clone()

@@ -19,7 +19,7 @@ def chunk_after_cached_prefix(prefix: int, n: int, heads: int, kv_heads: int, di
         slot_mapping=table[pos // BS] * BS + pos % BS,
         num_decode_tokens=0,
         prefills=[_prefill_seq(0, prefix, n, table, BS)],
-        **_decode_tensors([], [], BS),
+        **_decode_tensors([], []),
     )
     kv = torch.randn(2, len(table) + 1, BS, kv_heads, dim, generator=g)
     q, k, v = (torch.randn(n, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))

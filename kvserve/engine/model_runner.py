@@ -208,7 +208,7 @@ class ModelRunner:
             num_decode_tokens=len(decode_tables),
             prefills=prefills,
             sliding_window=window,
-            **_decode_tensors(decode_tables, decode_lens, bs, window),
+            **_decode_tensors(decode_tables, decode_lens),
         )
         if self.device.type != "cpu":
             meta = _to_device(meta, self.device)
@@ -224,23 +224,15 @@ def _prefill_seq(
     return PrefillSeq(query_start, n, end, block_table[: -(-end // bs)], window)
 
 
-def _decode_tensors(
-    tables: list[list[int]], lens: list[int], bs: int, window: int | None = None
-) -> dict[str, torch.Tensor]:
+def _decode_tensors(tables: list[list[int]], lens: list[int]) -> dict[str, torch.Tensor]:
     width = max((len(t) for t in tables), default=0)
     padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(tables), width)
-    context_lens = torch.tensor(lens, dtype=torch.int32)
-    keys = torch.arange(width * bs).unsqueeze(0)
-    mask = keys < context_lens.unsqueeze(1)
-    if window is not None:  # and no key `window` or more positions before the query
-        mask &= keys >= context_lens.unsqueeze(1) - window
-    return {"decode_block_tables": padded, "decode_context_lens": context_lens, "decode_mask": mask[:, None, None, :]}
+    return {"decode_block_tables": padded, "decode_context_lens": torch.tensor(lens, dtype=torch.int32)}
 
 
 def _to_device(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     meta.decode_block_tables = meta.decode_block_tables.to(device)
     meta.decode_context_lens = meta.decode_context_lens.to(device)
-    meta.decode_mask = meta.decode_mask.to(device)
     for seq in meta.prefills:
         seq.block_table = seq.block_table.to(device)
     return meta

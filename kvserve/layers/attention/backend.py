@@ -72,10 +72,23 @@ class AttentionMetadata:
     num_decode_tokens: int
     decode_block_tables: torch.Tensor  # [num_decodes, max_blocks], padded with 0
     decode_context_lens: torch.Tensor  # [num_decodes] int32: tokens each decode attends to
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_blocks * block_size] bool (the window in it)
     prefills: list[PrefillSeq]
     sliding_window: int | None = None  # its KV group's window, None for full attention
     backend_state: object | None = field(default=None, repr=False)  # what a backend plans from it, once per step
+    _decode_mask: torch.Tensor | None = field(default=None, repr=False)
+
+    def decode_mask(self, num_keys: int) -> torch.Tensor:
+        """[num_decodes, 1, 1, num_keys] bool: the keys each decode sees (its context; with a
+        window, none `sliding_window` or more before its query); built on first use (only the
+        SDPA path needs it), then shared by every layer."""
+        if self._decode_mask is None or self._decode_mask.shape[-1] != num_keys:
+            context_lens = self.decode_context_lens.unsqueeze(1)
+            keys = torch.arange(num_keys, device=context_lens.device).unsqueeze(0)
+            mask = keys < context_lens
+            if self.sliding_window is not None:
+                mask &= keys >= context_lens - self.sliding_window
+            self._decode_mask = mask[:, None, None, :]
+        return self._decode_mask
 
 
 # One metadata for every layer (a single KV group), or one per layer (each its group's).
@@ -138,7 +151,8 @@ class TorchAttention:
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         keys = gather_kv(kv_cache[0], meta.decode_block_tables)  # [B, Hkv, L, D]
         values = gather_kv(kv_cache[1], meta.decode_block_tables)
-        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask, enable_gqa=True)
+        mask = meta.decode_mask(keys.shape[-2])
+        o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
         return o.squeeze(2)
 
     @staticmethod
