@@ -8,8 +8,8 @@
 // rows (1,446 vs 1,644 ms) but not at 1,024. Here the weight is packed once as
 // groups of 16 output columns, K-major ([N/16, K, 16, 1]): each group is one contiguous
 // stream and each 64-byte line is one k of its 16 columns, two vectors of 8. Rows of x go
-// kRowBlock at a time against a group (two accumulators a row); the next rows find the
-// group in L1/L2. The threads split the groups.
+// kRowBlock at a time against a group (two accumulators a row, more for blocks of 1-3
+// rows: see `phases`); the next rows find the group in L1/L2. The threads split the groups.
 //
 // At a few rows the kernel only waits for the weight: the same loop also reads weights
 // stored as bf16 (half the bytes), widened to fp32 in registers, x and the sums staying
@@ -63,63 +63,65 @@ inline void store_sums(__m256 lo, __m256 hi, float* out, int64_t cols, const flo
   for (int64_t c = 0; c < cols; ++c) out[c] = sums[c] + (bias ? bias[c] : 0.f);
 }
 
+// How many interleaved partial sums each of R rows keeps over k. Each accumulator is an FMA
+// chain that waits on the FMA's latency at every k it takes: one row's two chains alone ran
+// at ~28 GB/s of bf16 weights from L2 (2 threads), no faster than the DRAM. With the k's
+// dealt round P partial sums (added at the end) blocks of 1-3 rows keep 8-12 chains; a row
+// therefore rounds differently in blocks of different sizes.
+constexpr int phases(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
+
 // out[r, col0 .. col0 + cols) = x[r] . group (+ bias) for the R rows at x; w: the group, [K, 16].
 template <int R, typename W>
 void group_rows(const float* x, int64_t xs, const W* w, int64_t k, float* out, int64_t os, int64_t cols,
                 const float* bias) {
-  static_assert(R >= 2 && R <= kRowBlock);  // one row: group_row
+  constexpr int P = phases(R);
+  static_assert(R >= 1 && R * P <= kRowBlock);
   // Named accumulators, not an array: with an array GCC also stored every accumulator to
   // the stack on every k (twice the instructions; 38 instead of 61 GFLOP/s at 6 rows).
+  // Accumulator pair i is row i % R's partial sum over the k's j with j % P == i / R.
   __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00,
          a40 = a00, a41 = a00, a50 = a00, a51 = a00;
-#define KVSERVE_ROW(i)                                        \
-  if constexpr (R > i) {                                      \
-    const __m256 xr = _mm256_broadcast_ss(x + i * xs + j);    \
-    a##i##0 = _mm256_fmadd_ps(xr, w0, a##i##0);               \
-    a##i##1 = _mm256_fmadd_ps(xr, w1, a##i##1);               \
+  __m256 w0, w1;
+#define KVSERVE_ACC(i, p)                                                  \
+  if constexpr ((p) < P && R * (p) <= i && i < R * ((p) + 1)) {           \
+    if constexpr (i == R * (p)) load_k(w + (j + (p)) * kGroupCols, w0, w1); \
+    const __m256 xr = _mm256_broadcast_ss(x + (i - R * (p)) * xs + j + (p)); \
+    a##i##0 = _mm256_fmadd_ps(xr, w0, a##i##0);                            \
+    a##i##1 = _mm256_fmadd_ps(xr, w1, a##i##1);                            \
   }
+#define KVSERVE_PHASE(p) \
+  KVSERVE_ACC(0, p) KVSERVE_ACC(1, p) KVSERVE_ACC(2, p) KVSERVE_ACC(3, p) KVSERVE_ACC(4, p) KVSERVE_ACC(5, p)
   constexpr int64_t kStride = kGroupCols * sizeof(W);  // bytes of one k
   constexpr int64_t kPerLine = 64 / kStride;           // k's per 64-byte line: one prefetch each
   constexpr int64_t kAhead = kPrefetchBytes / kStride;
-  for (int64_t j = 0; j < k; ++j) {
-    if (j % kPerLine == 0)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + kAhead) * kGroupCols), _MM_HINT_T0);
-    __m256 w0, w1;
-    load_k(w + j * kGroupCols, w0, w1);
-    KVSERVE_ROW(0) KVSERVE_ROW(1) KVSERVE_ROW(2) KVSERVE_ROW(3) KVSERVE_ROW(4) KVSERVE_ROW(5)
-  }
-#undef KVSERVE_ROW
-  const __m256 acc[kRowBlock][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
-  for (int r = 0; r < R; ++r) store_sums(acc[r][0], acc[r][1], out + r * os, cols, bias);
-}
-
-// One row against a group. Its two FMA chains alone would wait on the FMA's latency at
-// every k (one row then ran at ~28 GB/s of bf16 weights from L2, about the DRAM rate, and
-// below it cold), so the k's go round four pairs of partial sums, added at the end: a row
-// alone rounds differently from the same row in a block of rows.
-template <typename W>
-void group_row(const float* x, const W* w, int64_t k, float* out, int64_t cols, const float* bias) {
-  constexpr int64_t kStride = kGroupCols * sizeof(W), kPerLine = 64 / kStride, kAhead = kPrefetchBytes / kStride;
-  __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-  __m256 w0, w1;
-#define KVSERVE_K(i)                                  \
-  {                                                   \
-    const __m256 xr = _mm256_broadcast_ss(x + j + i); \
-    load_k(w + (j + i) * kGroupCols, w0, w1);         \
-    a##i##0 = _mm256_fmadd_ps(xr, w0, a##i##0);       \
-    a##i##1 = _mm256_fmadd_ps(xr, w1, a##i##1);       \
-  }
   int64_t j = 0;
-  for (; j + 4 <= k; j += 4) {
-    for (int64_t line = 0; line < 4; line += kPerLine)
-      _mm_prefetch(reinterpret_cast<const char*>(w + (j + line + kAhead) * kGroupCols), _MM_HINT_T0);
-    KVSERVE_K(0) KVSERVE_K(1) KVSERVE_K(2) KVSERVE_K(3)
+  for (; j + P <= k; j += P) {
+    for (int64_t p = 0; p < P; ++p)
+      if ((j + p) % kPerLine == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + p + kAhead) * kGroupCols), _MM_HINT_T0);
+    KVSERVE_PHASE(0) KVSERVE_PHASE(1) KVSERVE_PHASE(2) KVSERVE_PHASE(3)
   }
-  a00 = _mm256_add_ps(_mm256_add_ps(a00, a10), _mm256_add_ps(a20, a30));
-  a01 = _mm256_add_ps(_mm256_add_ps(a01, a11), _mm256_add_ps(a21, a31));
-  for (; j < k; ++j) KVSERVE_K(0)
-#undef KVSERVE_K
-  store_sums(a00, a01, out, cols, bias);
+  __m256 acc[kRowBlock][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+  for (int r = 0; r < R; ++r)  // fold the phases: ((0 + 1) + (2 + 3)), or (0 + 1)
+    for (int h = 0; h < 2; ++h) {
+      if constexpr (P == 4) {
+        acc[r][h] = _mm256_add_ps(_mm256_add_ps(acc[r][h], acc[r + R][h]),
+                                  _mm256_add_ps(acc[r + 2 * R][h], acc[r + 3 * R][h]));
+      } else if constexpr (P == 2) {
+        acc[r][h] = _mm256_add_ps(acc[r][h], acc[r + R][h]);
+      }
+    }
+  for (; j < k; ++j) {  // the k's past the last whole round of phases
+    load_k(w + j * kGroupCols, w0, w1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xr = _mm256_broadcast_ss(x + r * xs + j);
+      acc[r][0] = _mm256_fmadd_ps(xr, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xr, w1, acc[r][1]);
+    }
+  }
+#undef KVSERVE_PHASE
+#undef KVSERVE_ACC
+  for (int r = 0; r < R; ++r) store_sums(acc[r][0], acc[r][1], out + r * os, cols, bias);
 }
 
 template <typename W>
@@ -128,7 +130,7 @@ using GroupRows = void (*)(const float*, int64_t, const W*, int64_t, float*, int
 template <typename W, int... Rs>
 GroupRows<W> pick(int rows, std::integer_sequence<int, Rs...>) {
   GroupRows<W> f = nullptr;
-  ((rows == Rs + 2 ? (f = &group_rows<Rs + 2, W>, true) : false) || ...);
+  ((rows == Rs + 1 ? (f = &group_rows<Rs + 1, W>, true) : false) || ...);
   return f;
 }
 
@@ -144,11 +146,7 @@ void run_groups(float* op, const float* xp, const W* wp, const float* bias, int6
         const float *x = xp + r0 * xs, *b = bias ? bias + col : nullptr;
         const W* w = wp + g * k * kGroupCols;
         float* out = op + r0 * os + col;
-        if (rows == 1) {
-          group_row(x, w, k, out, cols, b);
-        } else {
-          pick<W>(rows, std::make_integer_sequence<int, kRowBlock - 1>{})(x, xs, w, k, out, os, cols, b);
-        }
+        pick<W>(rows, std::make_integer_sequence<int, kRowBlock>{})(x, xs, w, k, out, os, cols, b);
       }
     }
   });
