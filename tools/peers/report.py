@@ -63,7 +63,7 @@ TARGETS = (
     Target("offline, ShareGPT", OFFLINE_SHAREGPT, "vllm", 1.2, True),
     Target("serving c={c}", SERVE_TPUT, "vllm", 1.2, True),
     Target("serving c={c}", SERVE_TTFT, "vllm", 1.0, False),
-    Target("single stream", SINGLE_TPOT, "llama", 1.0, False),
+    Target("single stream", SINGLE_TPOT, "llama", 0.8, False),
     Target("shared prefix c={c}", ROUND2_TTFT, "vllm", 0.5, False),
 )
 
