@@ -239,7 +239,8 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
       if (r == 0) prefetch_keys<at::BFloat16, D>(p, sc.next_keys.data(), t0, std::min(t0 + 16, sc.next_n));
     }
   }
-  prefetch_keys<at::BFloat16, D>(p, sc.next_keys.data(), (n + 15) / 16 * 16, sc.next_n);  // beyond this tile's
+  // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
+  prefetch_keys<at::BFloat16, D>(p, sc.next_keys.data(), (n + 15) / 16 * 16, sc.next_n);
 }
 
 // acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t], in fp32. A V row of 32 bf16 widens
