@@ -128,6 +128,14 @@ def assert_no_secret(text: str, server: ServerThread) -> None:
         assert key not in text, "the dashboard shows an API key"
 
 
+def wait_for_snapshot_of_last_step(server: ServerThread, timeout: float = 10.0) -> None:
+    """A snapshot stands for up to two capture intervals: the last steps may be newer than it."""
+    steps, deadline = server.engine.engine.stats.num_steps, time.monotonic() + timeout
+    while kv_state(server)["step"] != steps:
+        assert time.monotonic() < deadline, "the snapshot never caught up with the engine"
+        time.sleep(0.1)
+
+
 def test_page_shows_what_the_endpoint_and_metrics_report(server, tmp_path):
     chromium_binary()  # skips, saying why, where Chromium is not installed
     started = time.monotonic()
@@ -168,6 +176,7 @@ def test_page_shows_what_the_endpoint_and_metrics_report(server, tmp_path):
         Path(SCREENSHOT).write_bytes(shot.read_bytes())
 
     wait_idle(server.url)  # and at idle: every block free or cached, no request left
+    wait_for_snapshot_of_last_step(server)
     idle_dom = dump_dom(page_url(server, BOB))
     scraped, state = metrics(server.url), kv_state(server)
     sections, body = page_fields(idle_dom)
