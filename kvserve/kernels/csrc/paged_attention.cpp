@@ -164,14 +164,16 @@ void locate_keys(const Problem<T>& p, int64_t seq, int64_t t0, int64_t n, int64_
 // places in the pool, so the hardware prefetcher cannot guess where the next one is and
 // every block would otherwise start with a full memory-latency miss.
 template <typename T, int D>
-void prefetch_keys(const Problem<T>& p, const int64_t* rows, int64_t begin, int64_t end) {
+void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  for (int64_t t = begin; t < end; ++t) {
-    for (int64_t d = 0; d < D; d += kLine) {
-      __builtin_prefetch(p.k + rows[t] + d, 0, 2);
-      __builtin_prefetch(p.v + rows[t] + d, 0, 2);
-    }
-  }
+  for (int64_t t = begin; t < end; ++t)
+    for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(cache + rows[t] + d, 0, 2);
+}
+
+template <typename T, int D>
+void prefetch_keys(const Problem<T>& p, const int64_t* rows, int64_t begin, int64_t end) {
+  prefetch_rows<T, D>(p.k, rows, begin, end);
+  prefetch_rows<T, D>(p.v, rows, begin, end);
 }
 
 // Rows are processed NR at a time, their queries or outputs held in registers (NR * NV
@@ -215,10 +217,11 @@ inline __m512 reduce16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// After each 16 keys of the first row it also asks for 16 keys of the next tile
-// (sc.next_keys): a whole tile's requests at once (256 lines with SmolLM2's 64-dim heads)
-// filled the line-fill buffers and held the arithmetic until they drained, so loads and
-// compute hardly overlapped; spread out, a batch-128 step at 500 keys took 9% less.
+// After each 16 keys of the first row it also asks for the next tile's 16 keys (its V rows
+// follow in accumulate_rows_bf16): a whole tile's K and V requested at once (256 lines with
+// SmolLM2's 64-dim heads) filled the line-fill buffers and held the arithmetic until they
+// drained, so loads and compute hardly overlapped; spread out, a batch-128 step at 500
+// keys took 17% less.
 template <int D>
 void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
   constexpr int NQ = D / 32;  // vectors of 32 bf16 per row
@@ -236,17 +239,18 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
         acc[4 * (i % 4) + i / 4] = a;
       }
       _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], _mm512_mul_ps(reduce16(acc), scale));
-      if (r == 0) prefetch_keys<at::BFloat16, D>(p, sc.next_keys.data(), t0, std::min(t0 + 16, sc.next_n));
+      if (r == 0) prefetch_rows<at::BFloat16, D>(p.k, sc.next_keys.data(), t0, std::min(t0 + 16, sc.next_n));
     }
   }
   // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
-  prefetch_keys<at::BFloat16, D>(p, sc.next_keys.data(), (n + 15) / 16 * 16, sc.next_n);
+  prefetch_rows<at::BFloat16, D>(p.k, sc.next_keys.data(), (n + 15) / 16 * 16, sc.next_n);
 }
 
 // acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t], in fp32. A V row of 32 bf16 widens
 // with one instruction per 16 lanes (bf16 is the top half of fp32): a shift gives the
 // even dims, a mask the odd ones. So acc holds each 32 dims as [even | odd]
-// (unpermute_acc puts them back in order).
+// (unpermute_acc puts them back in order). The first block of rows asks for the next
+// tile's V rows, one per V row it reads (see score_tile_bf16).
 template <int D, int NR>
 void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0, Scratch& sc) {
   constexpr int NV = D / 16;
@@ -256,7 +260,9 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
     const __m512 alpha = _mm512_set1_ps(sc.alpha[r0 + i]);
     for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(&sc.acc[(r0 + i) * D + j * 16]), alpha);
   }
+  const int64_t ahead = r0 == 0 ? sc.next_n : 0;
   for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead) prefetch_rows<at::BFloat16, D>(p.v, sc.next_keys.data(), t, t + 1);
     const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.keys[t]);
     __m512 v[NV];
     for (int j = 0; j < NV / 2; ++j) {
@@ -269,6 +275,7 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
       for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pt, v[j], a[i][j]);
     }
   }
+  prefetch_rows<at::BFloat16, D>(p.v, sc.next_keys.data(), n, ahead);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(&sc.acc[(r0 + i) * D + j * 16], a[i][j]);
 }
