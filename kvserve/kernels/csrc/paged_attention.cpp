@@ -162,7 +162,12 @@ void locate_keys(const Problem<T>& p, int64_t seq, int64_t t0, int64_t n, int64_
 
 // Ask for the next tile's K and V rows while this one is computed. Blocks sit at random
 // places in the pool, so the hardware prefetcher cannot guess where the next one is and
-// every block would otherwise start with a full memory-latency miss.
+// every block would otherwise start with a full memory-latency miss. The requests go out
+// a few at a time, the next tile's K rows beside this tile's scores and its V rows beside
+// its sums (sc.next_keys, sc.next_n): a whole tile's asked for at once (256 lines with
+// SmolLM2's 64-dim bf16 heads) filled the line-fill buffers and held the arithmetic until
+// they drained, so loads and compute hardly overlapped (spread out, a bf16 batch-128 step
+// at 500 keys took 17% less on a Xeon, an fp32 one at 32 x 800 keys 8-13% less).
 template <typename T, int D>
 void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
   constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
@@ -217,11 +222,7 @@ inline __m512 reduce16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// After each 16 keys of the first row it also asks for the next tile's 16 keys (its V rows
-// follow in accumulate_rows_bf16): a whole tile's K and V requested at once (256 lines with
-// SmolLM2's 64-dim heads) filled the line-fill buffers and held the arithmetic until they
-// drained, so loads and compute hardly overlapped; spread out, a batch-128 step at 500
-// keys took 17% less.
+// After each 16 keys of the first row it asks for the next tile's 16 K rows (prefetch_rows).
 template <int D>
 void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
   constexpr int NQ = D / 32;  // vectors of 32 bf16 per row
@@ -250,7 +251,7 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
 // with one instruction per 16 lanes (bf16 is the top half of fp32): a shift gives the
 // even dims, a mask the odd ones. So acc holds each 32 dims as [even | odd]
 // (unpermute_acc puts them back in order). The first block of rows asks for the next
-// tile's V rows, one per V row it reads (see score_tile_bf16).
+// tile's V rows, one per V row it reads (prefetch_rows).
 template <int D, int NR>
 void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0, Scratch& sc) {
   constexpr int NV = D / 16;
@@ -327,7 +328,9 @@ void score_tile_f32(const Problem<float>& p, int64_t n, int64_t rows, Scratch& s
       }
       _mm256_storeu_ps(&sc.s[r * kTileTokens + t0], reduce8(acc));
     }
+    prefetch_rows<float, D>(p.k, sc.next_keys.data(), t0, std::min(t0 + 8, sc.next_n));
   }
+  prefetch_rows<float, D>(p.k, sc.next_keys.data(), (n + 7) / 8 * 8, sc.next_n);
 }
 #endif
 
@@ -338,7 +341,9 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
   fVec q[NR][NV];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
+  const int64_t ahead = r0 == 0 ? sc.next_n : 0;
   for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead) prefetch_rows<T, D>(p.k, sc.next_keys.data(), t, t + 1);
     const T* key = p.k + sc.keys[t];
     fVec k[NV];
     for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
@@ -348,6 +353,7 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
     }
   }
+  prefetch_rows<T, D>(p.k, sc.next_keys.data(), n, ahead);
 }
 
 template <typename T, int D>
@@ -410,7 +416,9 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
     const fVec alpha(sc.alpha[r0 + i]);
     for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
   }
+  const int64_t ahead = r0 == 0 ? sc.next_n : 0;
   for (int64_t t = 0; t < n; ++t) {
+    if (t < ahead) prefetch_rows<T, D>(p.v, sc.next_keys.data(), t, t + 1);
     const T* val = p.v + sc.keys[t];
     fVec v[NV];
     for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
@@ -419,6 +427,7 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
     }
   }
+  prefetch_rows<T, D>(p.v, sc.next_keys.data(), n, ahead);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
 }
@@ -497,8 +506,9 @@ void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* r
 }
 
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
-// caller; while a tile is computed the next one is fetched, and after the last tile,
-// the first tile of `then` (the thread's next work item), so loads never wait idle. An
+// caller; while a tile is computed the next one is fetched (located here, asked for by
+// the score and sum loops), and after the last tile, the first tile of `then` (the
+// thread's next work item), so loads never wait idle. An
 // item that is one run of several leaves its state in `partial` for merge_parts.
 template <typename T, int D>
 void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc,
@@ -514,8 +524,6 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
       const auto [then_begin, then_end] = key_range(p, *then);
       sc.next_n = locate_tile(p, *then, then_h, then_begin, then_end, sc.next_keys.data());
     }
-    // bf16 with the keys along the lanes spreads these loads over the scores (score_tile_bf16)
-    if constexpr (!kKeyLanes<T, D>) prefetch_keys<T, D>(p, sc.next_keys.data(), 0, sc.next_n);
     score_tile<T, D>(p, n, rows, sc);
     mask_tile(t0, n, rows, sc);
     softmax_tile(n, rows, sc);
