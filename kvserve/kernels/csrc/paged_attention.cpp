@@ -97,7 +97,7 @@ constexpr bool kF32KeyLanes =
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha;
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
-  int64_t next_n = 0;         // keys located in next_keys, for score_tile_bf16 to prefetch
+  int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
   std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
   Scratch(int64_t rows, int64_t d)
@@ -176,9 +176,9 @@ void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t e
 }
 
 template <typename T, int D>
-void prefetch_keys(const Problem<T>& p, const int64_t* rows, int64_t begin, int64_t end) {
-  prefetch_rows<T, D>(p.k, rows, begin, end);
-  prefetch_rows<T, D>(p.v, rows, begin, end);
+void prefetch_keys(const Problem<T>& p, const int64_t* rows, int64_t n) {  // K and V at once: a first tile
+  prefetch_rows<T, D>(p.k, rows, 0, n);
+  prefetch_rows<T, D>(p.v, rows, 0, n);
 }
 
 // Rows are processed NR at a time, their queries or outputs held in registers (NR * NV
@@ -495,7 +495,7 @@ int64_t locate_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, 
 // The same, and start loading them.
 template <typename T, int D>
 void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t end, int64_t* rows) {
-  prefetch_keys<T, D>(p, rows, 0, locate_tile(p, it, h, t0, end, rows));
+  prefetch_keys<T, D>(p, rows, locate_tile(p, it, h, t0, end, rows));
 }
 
 // The same for the item's first tile.
@@ -508,8 +508,8 @@ void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* r
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
 // caller; while a tile is computed the next one is fetched (located here, asked for by
 // the score and sum loops), and after the last tile, the first tile of `then` (the
-// thread's next work item), so loads never wait idle. An
-// item that is one run of several leaves its state in `partial` for merge_parts.
+// thread's next work item), so loads never wait idle. An item that is one run of several
+// leaves its state in `partial` for merge_parts.
 template <typename T, int D>
 void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc,
                  float* partial) {
