@@ -175,10 +175,10 @@ void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t e
     for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(cache + rows[t] + d, 0, 2);
 }
 
+// Rows [begin, end) of the next tile from one cache, as far as it has keys (sc.next_n).
 template <typename T, int D>
-void prefetch_keys(const Problem<T>& p, const int64_t* rows, int64_t n) {  // K and V at once: a first tile
-  prefetch_rows<T, D>(p.k, rows, 0, n);
-  prefetch_rows<T, D>(p.v, rows, 0, n);
+void prefetch_next(const T* cache, const Scratch& sc, int64_t begin, int64_t end) {
+  prefetch_rows<T, D>(cache, sc.next_keys.data(), begin, std::min(end, sc.next_n));
 }
 
 // Rows are processed NR at a time, their queries or outputs held in registers (NR * NV
@@ -222,7 +222,7 @@ inline __m512 reduce16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// After each 16 keys of the first row it asks for the next tile's 16 K rows (prefetch_rows).
+// After each 16 keys of the first row it asks for the next tile's 16 K rows (prefetch_next).
 template <int D>
 void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
   constexpr int NQ = D / 32;  // vectors of 32 bf16 per row
@@ -240,18 +240,18 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
         acc[4 * (i % 4) + i / 4] = a;
       }
       _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], _mm512_mul_ps(reduce16(acc), scale));
-      if (r == 0) prefetch_rows<at::BFloat16, D>(p.k, sc.next_keys.data(), t0, std::min(t0 + 16, sc.next_n));
+      if (r == 0) prefetch_next<at::BFloat16, D>(p.k, sc, t0, t0 + 16);
     }
   }
   // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
-  prefetch_rows<at::BFloat16, D>(p.k, sc.next_keys.data(), (n + 15) / 16 * 16, sc.next_n);
+  prefetch_next<at::BFloat16, D>(p.k, sc, (n + 15) / 16 * 16, kTileTokens);
 }
 
 // acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t], in fp32. A V row of 32 bf16 widens
 // with one instruction per 16 lanes (bf16 is the top half of fp32): a shift gives the
 // even dims, a mask the odd ones. So acc holds each 32 dims as [even | odd]
 // (unpermute_acc puts them back in order). The first block of rows asks for the next
-// tile's V rows, one per V row it reads (prefetch_rows).
+// tile's V rows, one per V row it reads (prefetch_next).
 template <int D, int NR>
 void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0, Scratch& sc) {
   constexpr int NV = D / 16;
@@ -261,9 +261,8 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
     const __m512 alpha = _mm512_set1_ps(sc.alpha[r0 + i]);
     for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(&sc.acc[(r0 + i) * D + j * 16]), alpha);
   }
-  const int64_t ahead = r0 == 0 ? sc.next_n : 0;
   for (int64_t t = 0; t < n; ++t) {
-    if (t < ahead) prefetch_rows<at::BFloat16, D>(p.v, sc.next_keys.data(), t, t + 1);
+    if (r0 == 0) prefetch_next<at::BFloat16, D>(p.v, sc, t, t + 1);
     const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.keys[t]);
     __m512 v[NV];
     for (int j = 0; j < NV / 2; ++j) {
@@ -276,7 +275,7 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
       for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pt, v[j], a[i][j]);
     }
   }
-  prefetch_rows<at::BFloat16, D>(p.v, sc.next_keys.data(), n, ahead);
+  if (r0 == 0) prefetch_next<at::BFloat16, D>(p.v, sc, n, kTileTokens);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(&sc.acc[(r0 + i) * D + j * 16], a[i][j]);
 }
@@ -328,9 +327,9 @@ void score_tile_f32(const Problem<float>& p, int64_t n, int64_t rows, Scratch& s
       }
       _mm256_storeu_ps(&sc.s[r * kTileTokens + t0], reduce8(acc));
     }
-    prefetch_rows<float, D>(p.k, sc.next_keys.data(), t0, std::min(t0 + 8, sc.next_n));
+    prefetch_next<float, D>(p.k, sc, t0, t0 + 8);
   }
-  prefetch_rows<float, D>(p.k, sc.next_keys.data(), (n + 7) / 8 * 8, sc.next_n);
+  prefetch_next<float, D>(p.k, sc, (n + 7) / 8 * 8, kTileTokens);
 }
 #endif
 
@@ -341,9 +340,8 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
   fVec q[NR][NV];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
-  const int64_t ahead = r0 == 0 ? sc.next_n : 0;
   for (int64_t t = 0; t < n; ++t) {
-    if (t < ahead) prefetch_rows<T, D>(p.k, sc.next_keys.data(), t, t + 1);
+    if (r0 == 0) prefetch_next<T, D>(p.k, sc, t, t + 1);
     const T* key = p.k + sc.keys[t];
     fVec k[NV];
     for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
@@ -353,7 +351,7 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
     }
   }
-  prefetch_rows<T, D>(p.k, sc.next_keys.data(), n, ahead);
+  if (r0 == 0) prefetch_next<T, D>(p.k, sc, n, kTileTokens);
 }
 
 template <typename T, int D>
@@ -416,9 +414,8 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
     const fVec alpha(sc.alpha[r0 + i]);
     for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
   }
-  const int64_t ahead = r0 == 0 ? sc.next_n : 0;
   for (int64_t t = 0; t < n; ++t) {
-    if (t < ahead) prefetch_rows<T, D>(p.v, sc.next_keys.data(), t, t + 1);
+    if (r0 == 0) prefetch_next<T, D>(p.v, sc, t, t + 1);
     const T* val = p.v + sc.keys[t];
     fVec v[NV];
     for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
@@ -427,7 +424,7 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
     }
   }
-  prefetch_rows<T, D>(p.v, sc.next_keys.data(), n, ahead);
+  if (r0 == 0) prefetch_next<T, D>(p.v, sc, n, kTileTokens);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
 }
@@ -492,17 +489,20 @@ int64_t locate_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, 
   return n;
 }
 
-// The same, and start loading them.
-template <typename T, int D>
-void fetch_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t t0, int64_t end, int64_t* rows) {
-  prefetch_keys<T, D>(p, rows, locate_tile(p, it, h, t0, end, rows));
+// The same for the item's first tile.
+template <typename T>
+int64_t locate_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* rows) {
+  const auto [begin, end] = key_range(p, it);
+  return locate_tile(p, it, h, begin, end, rows);
 }
 
-// The same for the item's first tile.
+// Locate the item's first tile and start loading its K and V rows, all at once: nothing
+// is being computed yet that the requests could go out beside.
 template <typename T, int D>
 void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* rows) {
-  const auto [begin, end] = key_range(p, it);
-  fetch_tile<T, D>(p, it, h, begin, end, rows);
+  const int64_t n = locate_first_tile(p, it, h, rows);
+  prefetch_rows<T, D>(p.k, rows, 0, n);
+  prefetch_rows<T, D>(p.v, rows, 0, n);
 }
 
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
@@ -521,8 +521,7 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
     if (t0 + n < keys) {
       sc.next_n = locate_tile(p, it, h, t0 + n, keys, sc.next_keys.data());
     } else if (then != nullptr) {
-      const auto [then_begin, then_end] = key_range(p, *then);
-      sc.next_n = locate_tile(p, *then, then_h, then_begin, then_end, sc.next_keys.data());
+      sc.next_n = locate_first_tile(p, *then, then_h, sc.next_keys.data());
     }
     score_tile<T, D>(p, n, rows, sc);
     mask_tile(t0, n, rows, sc);
