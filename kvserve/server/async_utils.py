@@ -21,6 +21,11 @@ async def merge_async_iterators(*iterators: AsyncIterator[T]) -> AsyncIterator[t
     Closing the merged iterator (or an error in one input) closes every input, so
     each engine request behind them is aborted at once.
     """
+    if len(iterators) == 1:  # the usual request: no pump task and queue hop for every token
+        async with aclosing(iterators[0]) as it:
+            async for item in it:
+                yield 0, item
+        return
     queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
 
     async def pump(i: int, it: AsyncIterator[T]) -> None:
