@@ -222,26 +222,29 @@ inline __m512 reduce16(__m512* a) {
   return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
 }
 
-// After each 16 keys of the first row it asks for the next tile's 16 K rows (prefetch_next).
+// Keys outer, rows inner: each 16 keys' addresses are worked out once for all the rows
+// (which find the keys in L1), and after them it asks for the next tile's 16 K rows
+// (prefetch_next). Rows outer, every row redid the address arithmetic of every key.
 template <int D>
 void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
   constexpr int NQ = D / 32;  // vectors of 32 bf16 per row
   const __m512 scale = _mm512_set1_ps(p.scale);
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512bh q[NQ];
-    for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
-    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+  const auto* k = reinterpret_cast<const uint16_t*>(p.k);
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const uint16_t* key[16];
+    for (int i = 0; i < 16; ++i) key[i] = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh q[NQ];
+      for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) {
-        const int64_t t = std::min<int64_t>(t0 + i, n - 1);  // the padding repeats a key; masked later
-        const auto* key = reinterpret_cast<const uint16_t*>(p.k + sc.keys[t]);
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key), q[0]);
-        for (int j = 1; j < NQ; ++j) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key + j * 32), q[j]);
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(key[i]), q[0]);
+        for (int j = 1; j < NQ; ++j) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(key[i] + j * 32), q[j]);
         acc[4 * (i % 4) + i / 4] = a;
       }
       _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], _mm512_mul_ps(reduce16(acc), scale));
-      if (r == 0) prefetch_next<at::BFloat16, D>(p.k, sc, t0, t0 + 16);
     }
+    prefetch_next<at::BFloat16, D>(p.k, sc, t0, t0 + 16);
   }
   // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
   prefetch_next<at::BFloat16, D>(p.k, sc, (n + 15) / 16 * 16, kTileTokens);
