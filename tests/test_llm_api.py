@@ -150,11 +150,14 @@ def test_engine_stats_count_what_ran(tiny_model_dir):
         assert 0 <= m.queue_time <= m.time_to_first_token and m.decode_time >= 0
 
 
-def test_greedy_tokens_from_the_fused_lm_head_match_the_logits_path(tiny_model_dir, monkeypatch):
-    """bf16 on a CPU with the small-batch kernel: greedy steps take the head's own argmax."""
-    llm = LLM(model=str(tiny_model_dir), dtype="bfloat16", kv_cache_memory="32MiB", max_model_len=512)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_tokens_from_the_fused_lm_head_match_the_logits_path(tiny_model_dir, monkeypatch, dtype):
+    """On a CPU with the small-batch kernel (bf16, or fp32 on its AVX2 path) greedy steps take the head's own argmax."""
+    llm = LLM(
+        model=str(tiny_model_dir), dtype=str(dtype).removeprefix("torch."), kv_cache_memory="32MiB", max_model_len=512
+    )
     model = llm.llm_engine.runner.model
-    if model.greedy_tokens(torch.zeros(1, model.config.hidden_size, dtype=torch.bfloat16)) is None:
+    if model.greedy_tokens(torch.zeros(1, model.config.hidden_size, dtype=dtype)) is None:
         pytest.skip("no fused LM head on this machine")
     prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), [7] * 20]
     fused_calls = []

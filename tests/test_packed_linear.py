@@ -110,28 +110,34 @@ def test_packed_linear_keeps_an_fp32_weight_of_bf16_values_as_bf16_for_the_kerne
     assert_rounding_close(layer(x), reference(x, w.bfloat16().float(), None))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+# (x's dtype, the weight's, the kernel path): the AVX2 path also reads weights of bf16 values as bf16
+ARGMAX_CASES = [(torch.bfloat16, torch.bfloat16, isa) for isa in ISAS] + (
+    [(torch.float32, torch.float32, FP32_ISA), (torch.float32, torch.bfloat16, FP32_ISA)] if FP32_ISA else []
+)
+
+
+@pytest.mark.parametrize(("dtype", "w_dtype", "isa"), ARGMAX_CASES)
 @pytest.mark.parametrize("rows", [1, 4, 5, 6, 7, 13, 17, 33, 64])
 @pytest.mark.parametrize(("n", "k"), [(200, 96), (70, 128), (1000, 64)])
-def test_fused_argmax_is_the_argmax_of_the_kernels_own_logits(isa: str, rows: int, n: int, k: int) -> None:
-    """Bit for bit torch.max over the bf16 logits the kernel writes; the padding columns
-    (zero logits) never win, even when every real logit is negative."""
+def test_fused_argmax_is_the_argmax_of_the_kernels_own_logits(dtype, w_dtype, isa: str, rows: int, n: int, k: int):
+    """Bit for bit torch.max over the logits the kernel writes (bf16 ones as stored); the
+    padding columns (zero logits) never win, even when every real logit is negative."""
     g = torch.Generator().manual_seed(rows * 1000 + n)
-    w = (torch.randn(n, k, generator=g) - 4).to(torch.bfloat16)
-    x = torch.rand(rows, k, generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=g) - 4).to(w_dtype)
+    x = torch.rand(rows, k, generator=g).to(dtype)
     head = SmallBatchWeight(w, None, isa)
     logits = head(x).float()
     assert (logits < 0).all()
     assert torch.equal(head.argmax(x), logits.max(dim=-1).indices)
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(("dtype", "w_dtype", "isa"), ARGMAX_CASES)
 @pytest.mark.parametrize("rows", [3, 20])
-def test_fused_argmax_skips_each_rows_banned_columns(isa: str, rows: int) -> None:
+def test_fused_argmax_skips_each_rows_banned_columns(dtype, w_dtype, isa: str, rows: int) -> None:
     """As torch.max over the logits with the banned columns set to -inf (min_tokens)."""
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(300, 64, generator=g).to(torch.bfloat16)
-    x = torch.randn(rows, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(300, 64, generator=g).to(w_dtype)
+    x = torch.randn(rows, 64, generator=g).to(dtype)
     head = SmallBatchWeight(w, None, isa)
     logits = head(x).float()
     top2 = logits.topk(2, dim=-1).indices
@@ -146,21 +152,23 @@ def test_fused_argmax_skips_each_rows_banned_columns(isa: str, rows: int) -> Non
     assert (got[::2] != top2[::2, 0]).all() and torch.equal(got[1::2], top2[1::2, 0])
 
 
-@pytest.mark.parametrize("isa", ISAS)
-def test_fused_argmax_names_the_first_of_equal_maxima(isa: str) -> None:
+@pytest.mark.parametrize(("dtype", "w_dtype", "isa"), ARGMAX_CASES)
+def test_fused_argmax_names_the_first_of_equal_maxima(dtype, w_dtype, isa: str) -> None:
     w = torch.full((130, 32), -1.0)
     w[[9, 70, 129], 0] = 2.0  # columns in different tiles and threads' ranges tie
     x = torch.zeros(6, 32)
     x[:, 0] = 1.0
-    head = SmallBatchWeight(w.to(torch.bfloat16), None, isa)
-    assert head.argmax(x.to(torch.bfloat16)).tolist() == [9] * 6
+    head = SmallBatchWeight(w.to(w_dtype), None, isa)
+    assert head.argmax(x.to(dtype)).tolist() == [9] * 6
 
 
 @pytest.mark.skipif(not FP32_ISA, reason="no fp32 small-batch kernel")
-def test_fp32_kernel_has_no_fused_argmax() -> None:
+def test_fp32_packed_linear_fuses_argmax_up_to_max_rows() -> None:
     w = torch.randn(130, 64)
     layer = PackedLinear(w, None, FP32_ISA)
-    assert layer.small is not None and layer.argmax(torch.randn(3, 64)) is None  # the caller takes the logits
+    x = torch.randn(3, 64)
+    assert torch.equal(layer.argmax(x), layer(x).max(dim=-1).indices)
+    assert layer.argmax(torch.randn(SMALL_BATCH_MAX_ROWS[FP32_ISA] + 1, 64)) is None  # the caller takes the logits
 
 
 @needs_bf16

@@ -41,6 +41,20 @@ void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Te
 std::string small_batch_linear_isa();
 // small_batch_linear's fp32 path (AVX2 and FMA); bias: fp32 [N] or null.
 void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias);
+// small_batch_argmax's: thread t keeps each row's per-lane maxima and their columns in
+// best / index [t * M * 16, (t + 1) * M * 16).
+void small_batch_argmax_f32(float* best, int32_t* index, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const int64_t* banned, int64_t per_row);
+// The lanes (bits) of the 16-column group at col that a row bans: banned [rows, per_row]
+// column ids, -1 for none (nullptr: no row bans any).
+inline uint32_t banned_lanes(const int64_t* banned, int64_t per_row, int64_t row, int64_t col) {
+  uint32_t lanes = 0;
+  for (int64_t k = 0; banned && k < per_row; ++k) {
+    const uint64_t lane = static_cast<uint64_t>(banned[row * per_row + k] - col);
+    if (lane < 16) lanes |= 1u << lane;
+  }
+  return lanes;
+}
 std::string small_batch_linear_f32_isa();
 // Whole KV blocks between each layer's cache [2, blocks, ...] and stored blocks
 // [layers, 2, block bytes], and from block to block in the caches (block_copy.cpp).

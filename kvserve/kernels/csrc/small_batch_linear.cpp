@@ -93,11 +93,7 @@ struct RowArgmax {
 
   // The lanes of the group at col that row may win.
   __mmask16 allowed(int64_t row, int64_t col, __mmask16 mask) const {
-    for (int64_t k = 0; banned && k < per_row; ++k) {
-      const uint64_t lane = static_cast<uint64_t>(banned[row * per_row + k] - col);
-      if (lane < kGroupCols) mask &= static_cast<__mmask16>(~(1u << lane));
-    }
-    return mask;
+    return mask & static_cast<__mmask16>(~banned_lanes(banned, per_row, row, col));
   }
 
   template <typename Sum>
@@ -363,14 +359,13 @@ void small_batch_linear(at::Tensor& out, const at::Tensor& x, const at::Tensor& 
 #endif
 }
 
-// token_ids [M] int64 = the argmax of each row of small_batch_linear's bf16 output (no
-// bias, N = n), the first column among equal maxima, without writing that output: greedy
-// sampling's LM head. banned [M, B] int64 (-1: no entry) names columns a row may not
-// take. Each thread keeps its own per-lane maxima; they merge at the end.
+// token_ids [M] int64 = the argmax of each row of small_batch_linear's output (no bias,
+// N = n; bf16 rounded as stored, fp32 as is), the first column among equal maxima,
+// without writing that output: greedy sampling's LM head. banned [M, B] int64 (-1: no
+// entry) names columns a row may not take. Each thread keeps its own per-lane maxima;
+// they merge at the end.
 void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Tensor& packed, int64_t n,
                         const c10::optional<at::Tensor>& banned, bool use_amx) {
-#if defined(__AVX512BF16__)
-  check_operands(x, packed, n);
   const int64_t m = x.size(0);
   TORCH_CHECK(n > 0 && token_ids.scalar_type() == at::kLong && token_ids.is_contiguous() && token_ids.numel() == m,
               "token_ids must be int64 [M], n > 0");
@@ -383,10 +378,19 @@ void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Te
   const int64_t slots = at::get_num_threads() * m * kGroupCols;
   std::vector<float> best(slots, -std::numeric_limits<float>::infinity());
   std::vector<int32_t> index(slots, std::numeric_limits<int32_t>::max());
-  run_tiles(x, packed, use_amx, [&](int thread) {
-    const int64_t first = thread * m * kGroupCols;
-    return RowArgmax{best.data() + first, index.data() + first, n, banned_ids, per_row};
-  });
+  if (x.scalar_type() == at::kFloat) {
+    small_batch_argmax_f32(best.data(), index.data(), x, packed, n, banned_ids, per_row);
+  } else {
+#if defined(__AVX512BF16__)
+    check_operands(x, packed, n);
+    run_tiles(x, packed, use_amx, [&](int thread) {
+      const int64_t first = thread * m * kGroupCols;
+      return RowArgmax{best.data() + first, index.data() + first, n, banned_ids, per_row};
+    });
+#else
+    TORCH_CHECK(false, "small_batch_argmax for bf16 needs AVX512-BF16; this build has none");
+#endif
+  }
   auto* ids = token_ids.data_ptr<int64_t>();
   for (int64_t r = 0; r < m; ++r) {
     float v = -std::numeric_limits<float>::infinity();
@@ -397,9 +401,6 @@ void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Te
     // every logit -inf or NaN: column 0, where torch.max would name the first NaN
     ids[r] = i == std::numeric_limits<int32_t>::max() ? 0 : i;
   }
-#else
-  TORCH_CHECK(false, "small_batch_argmax needs AVX512-BF16; this build has none");
-#endif
 }
 
 // "amx" where AMX is compiled in and Linux grants it, "avx512_bf16" where only the dot

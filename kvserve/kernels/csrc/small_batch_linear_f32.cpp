@@ -17,6 +17,9 @@
 // zero gives fp32 exactly (bf16 is fp32's top half), and because the unpacks work within
 // 128-bit lanes the columns are stored in the order they undo (`BF16_COLUMN_ORDER` in
 // small_batch_linear.py).
+//
+// The same loops serve greedy sampling's LM head in fp32 (small_batch_argmax_f32): each row
+// keeps its running argmax, so the [rows, vocab] logits are never written and read back.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,13 +58,52 @@ inline void load_k(const at::BFloat16* w, __m256& w0, __m256& w1) {
   w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));  // stored positions 4-7, 12-15
 }
 
-// out[0 .. cols) = one row's sums of a group (columns 0-7 in lo, 8-15 in hi) + bias.
-inline void store_sums(__m256 lo, __m256 hi, float* out, int64_t cols, const float* bias) {
-  alignas(32) float sums[kGroupCols];
-  _mm256_store_ps(sums, lo);
-  _mm256_store_ps(sums + 8, hi);
-  for (int64_t c = 0; c < cols; ++c) out[c] = sums[c] + (bias ? bias[c] : 0.f);
-}
+// Where a row's sums of a group go (columns col .. col + cols; lo: the group's columns 0-7,
+// hi: 8-15). F32Out: plus bias, stored.
+struct F32Out {
+  float* out;
+  int64_t stride;
+  const float* bias;
+
+  void operator()(int64_t row, int64_t col, int64_t cols, __m256 lo, __m256 hi) const {
+    alignas(32) float sums[kGroupCols];
+    _mm256_store_ps(sums, lo);
+    _mm256_store_ps(sums + 8, hi);
+    float* o = out + row * stride + col;
+    for (int64_t c = 0; c < cols; ++c) o[c] = sums[c] + (bias ? bias[col + c] : 0.f);
+  }
+};
+
+// Greedy sampling's argmax (small_batch_argmax), the logits never written: each row keeps,
+// per lane, the largest sum seen and its column; strictly greater replaces, so the first
+// column among equals stays. Banned columns and those past N never compete.
+struct F32Argmax {
+  float* best;     // [rows, 16]
+  int32_t* index;  // [rows, 16]
+  const int64_t* banned;
+  int64_t per_row;
+
+  void operator()(int64_t row, int64_t col, int64_t cols, __m256 lo, __m256 hi) const {
+    const uint32_t exist = cols >= kGroupCols ? 0xFFFFu : (1u << cols) - 1;
+    const uint32_t lanes = exist & ~banned_lanes(banned, per_row, row, col);
+    keep(row * kGroupCols, col, lanes, lo);
+    keep(row * kGroupCols + 8, col + 8, lanes >> 8, hi);
+  }
+
+  void keep(int64_t slot, int64_t col, uint32_t lanes, __m256 v) const {
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i on = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(lanes)), bit);
+    const __m256i allowed = _mm256_cmpeq_epi32(on, bit);
+    const __m256 b = _mm256_loadu_ps(best + slot);
+    const __m256 gt = _mm256_and_ps(_mm256_cmp_ps(v, b, _CMP_GT_OQ), _mm256_castsi256_ps(allowed));
+    const __m256i cols =
+        _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(static_cast<int>(col)));
+    const __m256 i = _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(index + slot)));
+    _mm256_storeu_ps(best + slot, _mm256_blendv_ps(b, v, gt));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(index + slot),
+                        _mm256_castps_si256(_mm256_blendv_ps(i, _mm256_castsi256_ps(cols), gt)));
+  }
+};
 
 // How many interleaved partial sums each of R rows keeps over k. Each accumulator is an FMA
 // chain that waits on the FMA's latency at every k it takes: one row's two chains alone ran
@@ -70,11 +112,12 @@ inline void store_sums(__m256 lo, __m256 hi, float* out, int64_t cols, const flo
 // therefore rounds differently in blocks of different sizes.
 constexpr int phases(int rows) { return rows == 1 ? 4 : rows <= 3 ? 2 : 1; }
 
-// out[r, col0 .. col0 + cols) = x[r] . group (+ bias) for the R rows at x; w: the group, [K, 16].
-// Locality: __builtin_prefetch's, for the lines asked for ahead (see run_groups).
-template <int R, int Locality, typename W>
-void group_rows(const float* x, int64_t xs, const W* w, int64_t k, float* out, int64_t os, int64_t cols,
-                const float* bias) {
+// x[r] . group for the R rows at x (rows row0 on), to the sink; w: the group, [K, 16], its
+// columns col .. col + cols. Locality: __builtin_prefetch's, for the lines asked for ahead
+// (see run_groups).
+template <int R, int Locality, typename W, typename Sink>
+void group_rows(const float* x, int64_t xs, const W* w, int64_t k, const Sink& sink, int64_t row0, int64_t col,
+                int64_t cols) {
   constexpr int P = phases(R);
   static_assert(R >= 1 && R * P <= kRowBlock);
   // Named accumulators, not an array: with an array GCC also stored every accumulator to
@@ -122,16 +165,16 @@ void group_rows(const float* x, int64_t xs, const W* w, int64_t k, float* out, i
   }
 #undef KVSERVE_PHASE
 #undef KVSERVE_ACC
-  for (int r = 0; r < R; ++r) store_sums(acc[r][0], acc[r][1], out + r * os, cols, bias);
+  for (int r = 0; r < R; ++r) sink(row0 + r, col, cols, acc[r][0], acc[r][1]);
 }
 
-template <typename W>
-using GroupRows = void (*)(const float*, int64_t, const W*, int64_t, float*, int64_t, int64_t, const float*);
+template <typename W, typename Sink>
+using GroupRows = void (*)(const float*, int64_t, const W*, int64_t, const Sink&, int64_t, int64_t, int64_t);
 
-template <typename W, int Locality, int... Rs>
-GroupRows<W> pick(int rows, std::integer_sequence<int, Rs...>) {
-  GroupRows<W> f = nullptr;
-  ((rows == Rs + 1 ? (f = &group_rows<Rs + 1, Locality, W>, true) : false) || ...);
+template <typename W, typename Sink, int Locality, int... Rs>
+GroupRows<W, Sink> pick(int rows, std::integer_sequence<int, Rs...>) {
+  GroupRows<W, Sink> f = nullptr;
+  ((rows == Rs + 1 ? (f = &group_rows<Rs + 1, Locality, W, Sink>, true) : false) || ...);
   return f;
 }
 
@@ -146,56 +189,76 @@ bool non_temporal_streams() {
   return amd;
 }
 
-template <typename W>
-GroupRows<W> pick_rows(int rows, bool non_temporal) {
+template <typename W, typename Sink>
+GroupRows<W, Sink> pick_rows(int rows, bool non_temporal) {
   constexpr auto kRows = std::make_integer_sequence<int, kRowBlock>{};
-  return non_temporal ? pick<W, 0>(rows, kRows) : pick<W, 3>(rows, kRows);  // prefetchnta, prefetcht0
+  return non_temporal ? pick<W, Sink, 0>(rows, kRows) : pick<W, Sink, 3>(rows, kRows);  // prefetchnta, prefetcht0
 }
 
-template <typename W>
-void run_groups(float* op, const float* xp, const W* wp, const float* bias, int64_t m, int64_t k, int64_t n,
-                int64_t xs, int64_t os) {
+// Every group of W against every row of x, the sums to the sink of the running thread
+// (sink_for(thread number), called once per thread); the threads split the groups.
+template <typename W, typename SinkFor>
+void run_groups(const float* xp, const W* wp, int64_t m, int64_t k, int64_t n, int64_t xs, SinkFor sink_for) {
+  using Sink = decltype(sink_for(0));
   const int64_t groups = (n + kGroupCols - 1) / kGroupCols;
   // the loop for whole blocks of rows and for the last, shorter one (if any), chosen once
   const bool non_temporal = m <= kRowBlock && non_temporal_streams();
-  const GroupRows<W> whole = pick_rows<W>(static_cast<int>(std::min<int64_t>(kRowBlock, m)), non_temporal);
-  const GroupRows<W> last = m % kRowBlock ? pick_rows<W>(static_cast<int>(m % kRowBlock), non_temporal) : whole;
+  const auto whole = pick_rows<W, Sink>(static_cast<int>(std::min<int64_t>(kRowBlock, m)), non_temporal);
+  const auto last = m % kRowBlock ? pick_rows<W, Sink>(static_cast<int>(m % kRowBlock), non_temporal) : whole;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    const Sink sink = sink_for(at::get_thread_num());
     for (int64_t g = begin; g < end; ++g) {
       const int64_t col = g * kGroupCols, cols = std::min(kGroupCols, n - col);
       const W* w = wp + g * k * kGroupCols;
-      const float* b = bias ? bias + col : nullptr;
       for (int64_t r0 = 0; r0 < m; r0 += kRowBlock)
-        (m - r0 >= kRowBlock ? whole : last)(xp + r0 * xs, xs, w, k, op + r0 * os + col, os, cols, b);
+        (m - r0 >= kRowBlock ? whole : last)(xp + r0 * xs, xs, w, k, sink, r0, col, cols);
     }
   });
+}
+
+// The weight as stored (fp32, or bf16 widened in registers) against x, to run_groups.
+template <typename SinkFor>
+void run_packed(const at::Tensor& x, const at::Tensor& packed, int64_t n, SinkFor sink_for) {
+  const bool bf16 = packed.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (bf16 || packed.scalar_type() == at::kFloat),
+              "fp32 x, fp32 or bf16 weight");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows of x must be contiguous");
+  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kGroupCols && packed.size(3) == 1,
+              "weight must be packed as [N/16, K, 16, 1]");
+  const int64_t m = x.size(0), k = x.size(1);
+  TORCH_CHECK(packed.size(1) == k && n <= packed.size(0) * kGroupCols, "shape mismatch");
+  const float* xp = x.const_data_ptr<float>();
+  if (bf16) {
+    run_groups(xp, packed.const_data_ptr<at::BFloat16>(), m, k, n, x.stride(0), sink_for);
+  } else {
+    run_groups(xp, packed.const_data_ptr<float>(), m, k, n, x.stride(0), sink_for);
+  }
 }
 
 }  // namespace
 
 void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias) {
-  const bool bf16 = packed.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat &&
-                  (bf16 || packed.scalar_type() == at::kFloat),
-              "fp32 x and out, fp32 or bf16 weight");
-  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rows of x must be contiguous");
-  TORCH_CHECK(packed.dim() == 4 && packed.is_contiguous() && packed.size(2) == kGroupCols && packed.size(3) == 1,
-              "weight must be packed as [N/16, K, 16, 1]");
-  const int64_t m = x.size(0), k = x.size(1), n = out.size(1);
-  TORCH_CHECK(packed.size(1) == k && n <= packed.size(0) * kGroupCols, "shape mismatch");
-  const float* xp = x.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  if (bf16) {
-    run_groups(op, xp, packed.const_data_ptr<at::BFloat16>(), bias, m, k, n, x.stride(0), out.stride(0));
-  } else {
-    run_groups(op, xp, packed.const_data_ptr<float>(), bias, m, k, n, x.stride(0), out.stride(0));
-  }
+  TORCH_CHECK(out.scalar_type() == at::kFloat, "fp32 out");
+  const F32Out sink{out.data_ptr<float>(), out.stride(0), bias};
+  run_packed(x, packed, out.size(1), [&](int) { return sink; });
+}
+
+void small_batch_argmax_f32(float* best, int32_t* index, const at::Tensor& x, const at::Tensor& packed, int64_t n,
+                            const int64_t* banned, int64_t per_row) {
+  const int64_t per_thread = x.size(0) * kGroupCols;
+  run_packed(x, packed, n, [&](int thread) {
+    return F32Argmax{best + thread * per_thread, index + thread * per_thread, banned, per_row};
+  });
 }
 
 #else
 
 void small_batch_linear_f32(at::Tensor&, const at::Tensor&, const at::Tensor&, const float*) {
   TORCH_CHECK(false, "small_batch_linear for fp32 needs AVX2 and FMA; this build has neither");
+}
+
+void small_batch_argmax_f32(float*, int32_t*, const at::Tensor&, const at::Tensor&, int64_t, const int64_t*, int64_t) {
+  TORCH_CHECK(false, "small_batch_argmax for fp32 needs AVX2 and FMA; this build has neither");
 }
 
 #endif
