@@ -41,8 +41,8 @@ void small_batch_argmax(at::Tensor& token_ids, const at::Tensor& x, const at::Te
 std::string small_batch_linear_isa();
 // small_batch_linear's fp32 path (AVX2 and FMA); bias: fp32 [N] or null.
 void small_batch_linear_f32(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed, const float* bias);
-// small_batch_argmax's: thread t keeps each row's per-lane maxima and their columns in
-// best / index [t * M * 16, (t + 1) * M * 16).
+// small_batch_argmax's fp32 path: thread t keeps each row's per-lane maxima and their
+// columns in best / index [t * M * 16, (t + 1) * M * 16).
 void small_batch_argmax_f32(float* best, int32_t* index, const at::Tensor& x, const at::Tensor& packed, int64_t n,
                             const int64_t* banned, int64_t per_row);
 // The lanes (bits) of the 16-column group at col that a row bans: banned [rows, per_row]
