@@ -38,8 +38,8 @@ TORCH_ONLY_FAILURES = ["tests/test_cpu_attention.py::test_mixed_batch_bfloat16[1
 def avx2_env() -> dict[str, str]:
     if torch.backends.cpu.get_cpu_capability() != "AVX512":
         pytest.skip("the host's own build already runs its widest code; AVX2 hosts run these tests as they are")
-    if build.unavailable_reason() is not None:
-        pytest.skip(f"CPU kernels unavailable: {build.unavailable_reason()}")
+    if (reason := build.unavailable_reason()) is not None:
+        pytest.skip(f"CPU kernels unavailable: {reason}")
     return {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
 
 
