@@ -108,6 +108,11 @@ def test_outputs_through_prefill_and_decode_equal_one_replica(replicas, chat, st
     sent = metrics(prefill.url)[("kvserve:kv_transfer_blocks_total", (("direction", "sent"),))]
     received = metrics(decode.url)[("kvserve:kv_transfer_blocks_total", (("direction", "received"),))]
     assert sent == received > 0
+    # the dashboard's JSON shows each replica's role and its handoffs, as /metrics counts them
+    auth = {"Authorization": "Bearer key-a"}
+    shown = {s: httpx.get(f"{s.url}/debug/kv_state", headers=auth).json() for s in (prefill, decode)}
+    assert shown[prefill]["role"] == "prefill" and shown[prefill]["handoffs"]["sent_blocks"] == sent
+    assert shown[decode]["role"] == "decode" and shown[decode]["handoffs"]["received_blocks"] == received
 
 
 def test_server_info_reports_the_role_and_the_transfer_endpoint(replicas):

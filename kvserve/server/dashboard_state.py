@@ -29,6 +29,8 @@ async def replica_state(
     return {
         "kind": "replica",
         "model": model,
+        "role": engine.replica_info.role,
+        "handoffs": _handoffs(engine, metrics),
         "taken": state.taken,
         "step": state.step,
         "pool": _pool(state),
@@ -48,6 +50,13 @@ async def replica_state(
         },
         "history": history.to_json(),
     }
+
+
+def _handoffs(engine: EngineClient, metrics: ServerMetrics) -> dict[str, int]:
+    """Prefill/decode handoffs, direct path: pulls served and made, blocks and bytes, as /metrics counts them."""
+    load, t = engine.load(), metrics.transfer_totals
+    names = ("sent", "sent_blocks", "sent_bytes", "received", "received_blocks", "received_bytes", "load_failures")
+    return {"leases": load.kv_leases, "lease_expiries": load.kv_lease_expiries, **{n: t[n] for n in names}}
 
 
 def _pool(state: KVState) -> dict[str, Any]:

@@ -8,6 +8,7 @@ by the request handlers.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import time
 from collections.abc import Iterator
@@ -190,7 +191,10 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
 
+        self.transfer_totals: collections.Counter[str] = collections.Counter()  # the dashboard's copy
+
     def kv_transferred(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self.transfer_totals.update({f"{direction}_blocks": blocks, f"{direction}_bytes": nbytes, direction: 1})
         self.kv_transfer_blocks.labels(direction).inc(blocks)
         self.kv_transfer_bytes.labels(direction).inc(nbytes)
         self.kv_transfer_seconds.labels(direction).inc(seconds)

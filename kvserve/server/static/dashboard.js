@@ -231,6 +231,15 @@ function renderRequests(node, s) {
   set(node, "requests.waiting", int(r.waiting));
   set(node, "requests.loading", int(r.loading));
   set(node, "requests.preemptions", int(r.preemptions));
+  const pd = s.handoffs;
+  if (pd) {  // a router's own section has none
+    set(node, "role", s.role);
+    set(node, "handoffs.leases", int(pd.leases));
+    set(node, "handoffs.sent_blocks", int(pd.sent_blocks));
+    set(node, "handoffs.received_blocks", int(pd.received_blocks));
+    set(node, "handoffs.sent_bytes", bytes(pd.sent_bytes));
+    set(node, "handoffs.received_bytes", bytes(pd.received_bytes));
+  }
   set(node, "requests.generation_tokens", int(r.generation_tokens));
   const last = h.generation_tps.length ? h.generation_tps[h.generation_tps.length - 1] : null;
   set(node, "requests.generation_tps", fixed1(last));
