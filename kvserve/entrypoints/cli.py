@@ -81,6 +81,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         args.model = args.model_tag
     if args.replicas < 1:
         raise ValueError(f"--replicas must be at least 1, got {args.replicas}")
+    if args.pd and args.replicas < 2:
+        raise ValueError(f"--pd needs --replicas 2 or more (a prefill and a decode replica), got {args.replicas}")
     if args.replicas > 1:
         from kvserve.entrypoints.cluster import run_cluster  # this process runs the router: it never loads torch
 

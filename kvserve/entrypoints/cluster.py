@@ -31,7 +31,8 @@ LOG_LINES = 30  # a failed replica's last lines, shown in the error
 QUIET = ('"GET /health HTTP', '"GET /metrics HTTP', '"GET /server_info HTTP')
 PR_SET_PDEATHSIG = 1
 # flags each replica gets from here, not from the user's command line
-OWN_FLAGS = ("replicas", "router_policy", "host", "port", "model_tag", "kv_events_endpoint", "cache_secret")
+OWN_FLAGS = ("replicas", "router_policy", "host", "port", "model_tag", "kv_events_endpoint", "cache_secret", "pd")
+OWN_FLAGS += ("role",)  # with --pd, set per replica
 OWN_FLAGS += ("kv_events_replay_endpoint",)  # default: its events port + 1, which free_port(pair=True) keeps free
 
 
@@ -44,6 +45,12 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         "--host/--port (1: one server, no router)",
     )
     parser.add_argument("--router-policy", choices=POLICIES, default="cache_aware", help="with --replicas N > 1")
+    parser.add_argument(
+        "--pd",
+        action="store_true",
+        help="with --replicas N > 1: the first half prefill replicas, the rest decode replicas (prefill/decode "
+        "disaggregation), the router sending a prompt with much to compute to a prefill replica first",
+    )
 
 
 def core_groups(n: int) -> list[list[int]]:
@@ -116,6 +123,7 @@ class Replica:
     cpus: list[int]
     cmd: list[str]
     url: str
+    role: str = "both"
     proc: subprocess.Popen | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=LOG_LINES))
 
@@ -166,8 +174,14 @@ def replicas_for(args: argparse.Namespace, parser: argparse.ArgumentParser, secr
         port, events = free_port(), free_port(pair=True)
         # a wildcard host: a replica publishes on a loopback address only where its --host is one, which it is
         cmd = [*base, "--host", "127.0.0.1", "--port", str(port), "--kv-events-endpoint", f"tcp://*:{events}"]
-        out.append(Replica(i, cpus, cmd, f"http://127.0.0.1:{port}"))
+        role = pd_role(i, args.replicas) if args.pd else args.role
+        out.append(Replica(i, cpus, [*cmd, "--role", role], f"http://127.0.0.1:{port}", role=role))
     return out
+
+
+def pd_role(index: int, n: int) -> str:
+    """With --pd: the first half of the replicas prefill (at least one), the rest decode (at least one)."""
+    return "prefill" if index < max(1, n // 2) else "decode"
 
 
 def wait_healthy(replicas: list[Replica], timeout: float = START_TIMEOUT) -> None:
@@ -214,7 +228,8 @@ def router_args(args: argparse.Namespace, replicas: list[Replica], secret: str) 
 
     parser = argparse.ArgumentParser()
     add_router_args(parser)
-    argv = [a for r in replicas for a in ("--replica", r.url)]
+    flag = {"both": "--replica", "prefill": "--prefill", "decode": "--decode"}
+    argv = [a for r in replicas for a in (flag[r.role], r.url)]
     argv += ["--policy", args.router_policy, "--host", args.host, "--port", str(args.port), "--cache-secret", secret]
     argv += ["--api-keys", args.api_keys] if args.api_keys else []
     argv += ["--api-key", args.api_key] if args.api_key else []
@@ -256,7 +271,7 @@ def run_cluster(args: argparse.Namespace) -> None:
             r.start()
         wait_healthy(replicas)
         router = create_router(router_args(args, replicas, secret))
-        urls = ", ".join(r.url for r in replicas)
+        urls = ", ".join(r.url if r.role == "both" else f"{r.url} ({r.role})" for r in replicas)
         print(f"kvserve: router on http://{args.host}:{args.port} -> replicas {urls}", flush=True)
         router.run(sockets=[sock])  # uvicorn drains on SIGINT/SIGTERM, then re-raises it: to the finally below
     except RuntimeError as e:
