@@ -1,10 +1,14 @@
-"""The README and docs point at things that exist: its two commands are Makefile targets, and every
+"""The README and docs point at things that exist: its two commands are Makefile targets, every
 relative link (image links included, and a `#heading` anchor where one is given) reaches a file and a
-heading. Docs rot silently when a file moves; this catches it in `make test`, without torch."""
+heading, and every `kvserve ...` line in their shell blocks parses with the real command line. Docs
+rot silently when a file or a flag moves; this catches it in `make test`, without loading torch."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -18,6 +22,9 @@ FENCE = re.compile(r"^(```|~~~).*?^\1", re.M | re.S)
 CODE_SPAN = re.compile(r"`[^`\n]*`")
 # [text](target) and ![alt](target), the target up to a space (a title) or the closing parenthesis
 LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+SHELL_BLOCK = re.compile(r"^```(?:bash|sh|console)\n(.*?)^```", re.M | re.S)
+# a kvserve command, after any environment assignments (OMP_NUM_THREADS=1 kvserve bench ...)
+COMMAND = re.compile(r"^\s*(?:[A-Z_][A-Z0-9_]*=\S*\s+)*kvserve\s")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
 
 
@@ -80,6 +87,35 @@ def test_the_checker_sees_a_broken_link(tmp_path: Path) -> None:
         "there.md#nowhere: no such heading",
         "#nowhere: no such heading",
     ]
+
+
+def kvserve_commands(path: Path) -> list[str]:
+    lines = []
+    for block in SHELL_BLOCK.findall(path.read_text()):
+        lines += [line.strip() for line in block.replace("\\\n", " ").splitlines() if COMMAND.match(line)]
+    return lines
+
+
+def argv(line: str) -> list[str]:
+    """The arguments after `kvserve`: the comment cut off, `[optional]` groups left out."""
+    words = shlex.split(re.sub(r"\[[^\]]*\]", "", re.sub(r"\s#.*", "", line)))
+    return words[[i for i, w in enumerate(words) if w == "kvserve"][0] + 1 :]
+
+
+@pytest.mark.parametrize("path", [README, *sorted((ROOT / "docs").glob("*.md"))], ids=lambda p: p.name)
+def test_kvserve_commands_parse(path: Path) -> None:
+    from kvserve.entrypoints.cli import build_parser  # argparse and the flags' modules only: no torch
+
+    parser, refused = build_parser(), []
+    for line in kvserve_commands(path):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+                parser.parse_args(argv(line))
+        except SystemExit as e:
+            if e.code:
+                refused.append(f"{line}: {err.getvalue().strip().splitlines()[-1]}")
+    assert refused == []
 
 
 def test_readme_commands_are_makefile_targets() -> None:
