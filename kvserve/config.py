@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
+ROLES = ("both", "prefill", "decode")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -59,6 +60,10 @@ class EngineConfig:
     kv_events_topic: str = ""  # vLLM's default
     kv_events_token_ids: bool = False  # publish blocks' token ids too (vLLM always does: every tenant's prompts)
     kv_events_encoding: str = "map"  # events as tagged maps (vLLM now) or tagged arrays (vLLM before #42892)
+    # prefill/decode disaggregation: what this replica does (vLLM's kv_producer / kv_consumer / both)
+    role: str = "both"  # "prefill": holds a finished prompt's blocks for a decode replica to pull
+    kv_lease_seconds: float = 30.0  # how long a prefill replica holds handed-off blocks unpulled
+    kv_load_failure_policy: str = "recompute"  # a decode replica's failed pull: compute instead, or "fail"
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -79,6 +84,17 @@ class EngineConfig:
         if self.kv_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"kv_write_policy must be 'write_back' or 'write_through', got {self.kv_write_policy!r}")
         self._check_kv_events()
+        self._check_disaggregation()
+
+    def _check_disaggregation(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if not self.kv_lease_seconds > 0:
+            raise ValueError(f"kv_lease_seconds must be > 0, got {self.kv_lease_seconds}")
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError(
+                f"kv_load_failure_policy must be 'recompute' or 'fail', got {self.kv_load_failure_policy!r}"
+            )
 
     def _check_kv_events(self) -> None:
         for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):

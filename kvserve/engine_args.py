@@ -26,6 +26,10 @@ _ENGINE_HELP = {
     "kv_events_topic": "topic of every KV event message (default: none, as in vLLM)",
     "kv_events_token_ids": "put blocks' token ids in the events (off: hashes only; vLLM sends every tenant's tokens)",
     "kv_events_encoding": "map (vLLM now) | array (vLLM before #42892, for older consumers)",
+    "role": "both | prefill (holds a finished prompt's blocks for a decode replica: kv_transfer_params "
+    "do_remote_decode) | decode (pulls them: do_remote_prefill)",
+    "kv_lease_seconds": "how long a prefill replica holds a handed-off prompt's blocks for the decode side",
+    "kv_load_failure_policy": "recompute (a failed pull of remote blocks is computed here) | fail (an error, as vLLM)",
     "prefill_first": "steps that admit new prompts run only their prefills; decodes wait a step "
     "(SGLang's default: lower time to first token, one longer gap between tokens)",
 }
@@ -40,7 +44,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                 flag, action=argparse.BooleanOptionalAction, default=f.default, help=_ENGINE_HELP.get(f.name)
             )
             continue
-        kind = int if f.type in ("int", "int | None") else str
+        kind = int if f.type in ("int", "int | None") else float if f.type == "float" else str
         parser.add_argument(flag, type=kind, default=f.default, help=_ENGINE_HELP.get(f.name))
 
 

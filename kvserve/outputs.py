@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # a prefill replica's answer to do_remote_decode (vLLM's): where the decode side pulls the blocks
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

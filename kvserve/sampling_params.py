@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5  # below this temperature sampling is greedy, as in vLLM
 MAX_LOGPROBS = 20
@@ -31,6 +32,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token (the chosen one is added)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    extra_args: dict[str, Any] | None = None  # vLLM's: "kv_transfer_params" (prefill/decode handoff)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -51,7 +51,7 @@ def host_store(caches: list[torch.Tensor], arena: bool, blocks: int = 64) -> Tie
 def test_blocks_out_and_back_in(copier, dtype, block_shape, arena):
     caches = pool(5, dtype, 0, block_shape)
     ids = [7, 0, 11, 3]
-    gathered = KVTransfer(caches, host_store(caches, arena), copier)._gather(ids)
+    gathered = KVTransfer(caches, host_store(caches, arena), copier).read(ids)
     assert [bytes(row) for row in gathered] == [stored(caches, b) for b in ids]
 
     target = pool(5, dtype, 1, block_shape)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from collections.abc import AsyncIterator, Collection
+import uuid
+from collections.abc import AsyncIterator, Callable, Collection
 from dataclasses import dataclass
+from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.client import (
@@ -27,6 +29,8 @@ from kvserve.engine.client import (
 )
 from kvserve.engine.kv_state import KVState, KVStateFeed
 from kvserve.engine.llm_engine import LLMEngine, StepFailedError
+from kvserve.kv_cache.tiers.namespace import tier_key
+from kvserve.kv_cache.tiers.record import BadRecord, decode, header_size
 from kvserve.logger import logger
 from kvserve.outputs import RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
@@ -47,6 +51,19 @@ class _Abort:
 
 
 @dataclass
+class _ExportKV:
+    owner: str
+    block_keys: list[bytes]
+    release: bool
+    done: asyncio.Future[list[bytes]]
+
+
+@dataclass
+class _ReleaseKV:
+    owner: str
+
+
+@dataclass
 class _ResetPrefixCache:
     done: asyncio.Future[bool]
 
@@ -54,6 +71,10 @@ class _ResetPrefixCache:
 @dataclass
 class _CaptureKVState:
     done: asyncio.Future[KVState]
+
+
+_Command = _Add | _Abort | _ExportKV | _ReleaseKV | _ResetPrefixCache | _CaptureKVState
+LEASE_CHECK_SECONDS = 0.5  # how late an expired lease may be freed while the engine is idle
 
 
 class AsyncLLMEngine:
@@ -66,9 +87,7 @@ class AsyncLLMEngine:
         )
         self.replica_info = replica_info(engine)
         self.max_queued_requests = max_queued_requests
-        self._commands: queue.SimpleQueue[_Add | _Abort | _ResetPrefixCache | _CaptureKVState | None] = (
-            queue.SimpleQueue()
-        )
+        self._commands: queue.SimpleQueue[_Command | None] = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._adds_sent = self._adds_applied = 0  # each written by one thread only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -142,11 +161,48 @@ class AsyncLLMEngine:
         core = self.engine
         tiers = core.store.snapshot() if core.store is not None else []
         return EngineLoad(
-            len(core.scheduler.running), self.num_waiting(), core.kv.pool.usage(), core.stats, tiers, core.kv.block_size
+            len(core.scheduler.running),
+            self.num_waiting(),
+            core.kv.pool.usage(),
+            core.stats,
+            tiers,
+            core.kv.block_size,
+            len(core.kv.leases),
+            core.kv.num_expired_leases,
         )
 
     def unfinished_request_ids(self) -> Collection[str]:
         return self.engine.output_processor.groups.keys()
+
+    async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> list[bytes]:
+        """The records of the blocks lease `owner` holds under these keys (read between steps)."""
+        self.check_health()
+        done: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        self._commands.put(_ExportKV(owner, block_keys, release, done))
+        return await done
+
+    async def flush_kv(self) -> None:
+        if self.engine.store is not None:
+            await asyncio.to_thread(self.engine.store.flush)
+
+    def release_kv(self, owner: str) -> None:
+        self._commands.put(_ReleaseKV(owner))
+
+    def import_kv(self, block_keys: list[bytes], records: list[bytes]) -> int:
+        """Blocks pulled from a prefill replica, checked, for this replica's next lookup of their
+        prefix; returns how many of them, from the first, were sound (thread-safe)."""
+        store, ns = self.engine.store, self.engine.namespace
+        if store is None:
+            return 0
+        payloads = []
+        for key, data in zip(block_keys, records, strict=False):
+            try:
+                payloads.append(decode(ns, tier_key(ns.digest, key), data))
+            except BadRecord as e:
+                logger.warning("a pulled KV block is bad (%s): the rest is computed", e)
+                break
+        store.put_handoff(block_keys[: len(payloads)], payloads)
+        return len(payloads)
 
     async def reset_prefix_cache(self) -> bool:
         done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
@@ -175,6 +231,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while True:
+                self.engine.expire_kv_leases()
                 block = not self.engine.has_unfinished_requests()
                 if not self._apply_commands(block):
                     self.engine.shutdown()  # in this thread: the engine's state is this thread's
@@ -200,8 +257,8 @@ class AsyncLLMEngine:
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued adds/aborts (waiting for one when idle); False on shutdown."""
         while True:
-            try:
-                cmd = self._commands.get(block=block)
+            try:  # idle with leases held: wake up to expire them
+                cmd = self._commands.get(block=block, timeout=LEASE_CHECK_SECONDS if self.engine.kv.leases else None)
             except queue.Empty:
                 return True
             block = False
@@ -214,6 +271,12 @@ class AsyncLLMEngine:
             if isinstance(cmd, _ResetPrefixCache):
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(cmd.done.set_result, self.engine.reset_prefix_cache())
+                continue
+            if isinstance(cmd, _ExportKV):
+                self._answer(cmd.done, lambda c=cmd: self.engine.export_kv(c.owner, c.block_keys, c.release))
+                continue
+            if isinstance(cmd, _ReleaseKV):
+                self.engine.release_kv(cmd.owner)
                 continue
             if isinstance(cmd, _CaptureKVState):
                 self._deliver_state(cmd.done, self.kv_feed.capture())
@@ -239,6 +302,16 @@ class AsyncLLMEngine:
         for hook in self.on_step:
             hook(outputs)
 
+    def _answer(self, done: asyncio.Future[Any], compute: Callable[[], Any]) -> None:
+        """Resolve `done` on the event loop with what `compute` returns or raises here."""
+        assert self._loop is not None
+        try:
+            result = compute()
+        except Exception as e:
+            self._loop.call_soon_threadsafe(lambda err=e: done.done() or done.set_exception(err))
+            return
+        self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
+
     def _deliver_state(self, done: asyncio.Future[KVState], state: KVState) -> None:
         assert self._loop is not None
         self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(state))  # its reader may be gone
@@ -253,8 +326,18 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
     events = None
     if pub is not None:
         events = KVEventsInfo(pub.endpoint, pub.replay_endpoint, pub.topic, cfg.kv_events_token_ids)
-    tiers = tuple(t.name for t in engine.store.tiers) if engine.store is not None else ()
-    return ReplicaInfo(str(engine.model_dir), engine.kv.block_size, engine.kv.pool.num_blocks, tiers, events)
+    tiers = tuple(t.name for t in engine.store.tiers if t.name != "handoff") if engine.store is not None else ()
+    ns = engine.namespace
+    return ReplicaInfo(
+        str(engine.model_dir),
+        engine.kv.block_size,
+        engine.kv.pool.num_blocks,
+        tiers,
+        events,
+        cfg.role,
+        uuid.uuid4().hex,
+        header_size(ns) + ns.block_nbytes,
+    )
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:

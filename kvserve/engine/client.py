@@ -53,6 +53,9 @@ class ReplicaInfo:
     num_kv_blocks: int
     kv_tiers: tuple[str, ...]  # below the device pool, in order: "host", "disk", "redis"
     kv_events: KVEventsInfo | None
+    role: str = "both"  # prefill/decode disaggregation: "prefill", "decode" or "both"
+    engine_id: str = ""  # names this engine in kv_transfer_params (remote_engine_id)
+    kv_record_bytes: int = 0  # one block as the tiers and a handoff carry it
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -69,6 +72,8 @@ class EngineLoad:
     totals: EngineStats
     kv_tiers: list[TierSnapshot] = field(default_factory=list)  # host RAM, disk, Redis: those configured
     block_size: int = 16
+    kv_leases: int = 0  # a prefill replica's prompts held for decode replicas
+    kv_lease_expiries: int = 0
 
 
 StepHook = Callable[[list[RequestOutput]], None]  # called in the engine thread after each step
@@ -93,6 +98,20 @@ class EngineClient(Protocol):
         QueueFullError, a dead engine EngineDeadError. Closing the iterator early aborts it."""
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> list[bytes]:
+        """A prefill replica: the records of the leading run of `block_keys` that the lease of
+        finished request `owner` holds (none for keys it does not hold); `release` drops the lease."""
+
+    async def flush_kv(self) -> None:
+        """Wait until the blocks queued for the slow tiers (Redis) are written."""
+
+    def release_kv(self, owner: str) -> None:
+        """A prefill replica: the decode side gave up on request `owner`'s blocks."""
+
+    def import_kv(self, block_keys: list[bytes], records: list[bytes]) -> int:
+        """A decode replica: records pulled from a prefill replica, for the next lookup of their
+        prefix; returns how many, from the first, were sound."""
 
     def load(self) -> EngineLoad: ...
 

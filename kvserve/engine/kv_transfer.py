@@ -41,7 +41,7 @@ class KVTransfer:
             wanted = self.store.wanted([s.block_key for s in batch], filled)
             batch = [s for s, w in zip(batch, wanted, strict=True) if w]
             if batch:
-                payloads = self._gather([s.block_id for s in batch])
+                payloads = self.read([s.block_id for s in batch])
                 announced = [s.block_key for s in batch if s.group == 0]
                 self.store.save([s.block_key for s in batch], payloads, filled, announced)
 
@@ -63,12 +63,12 @@ class KVTransfer:
         for layer, cache in enumerate(self.kv_caches):
             cache[:, ids] = buf[:, layer].transpose(0, 1)
 
-    def _gather(self, block_ids: list[int]) -> list[memoryview]:
+    def read(self, block_ids: list[int]) -> list[memoryview]:
         """The blocks' bytes, one payload each: into the store's buffers where it has them (host
         RAM's arena, kept as they are), else views of one array, each keeping it alive until the
-        tiers let go of it."""
+        tiers (or a decode replica's pull) let go of it."""
         if self.copier is not None:
-            buffers = self.store.payload_buffers(len(block_ids))
+            buffers = self.store.payload_buffers(len(block_ids)) if self.store is not None else None
             if buffers is not None:
                 self.copier.gather_into(self.kv_caches, block_ids, buffers)
                 return buffers

@@ -21,8 +21,10 @@ from kvserve.engine.stats import EngineStats
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager, make_prefix_cache
 from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.kv_cache.tiers.disk import DiskTier
+from kvserve.kv_cache.tiers.handoff import HandoffTier
 from kvserve.kv_cache.tiers.host import HostTier
-from kvserve.kv_cache.tiers.namespace import Namespace
+from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
+from kvserve.kv_cache.tiers.record import encode
 from kvserve.kv_cache.tiers.redis_tier import RedisTier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
 from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
@@ -67,9 +69,13 @@ class LLMEngine:
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
+        self.namespace = kv_namespace(model_dir, slots, self.weight_dtype, config.block_size)
+        handoff = num_blocks * self.namespace.block_nbytes if config.role == "decode" else 0
         try:
             self.store = (
-                make_kv_store(config, model_dir, slots, self.weight_dtype, sink) if cache_kind is not None else None
+                make_kv_store(config, self.namespace, self.device.type != "cpu", sink, handoff)
+                if cache_kind is not None
+                else None
             )
         except BaseException:
             if self.kv_events is not None:  # its sockets hold the ports
@@ -88,6 +94,7 @@ class LLMEngine:
         copier = platform.block_copy()
         self.transfer = KVTransfer(slots, self.store, copier) if self.store else None
         self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer, copier)
+        self.exporter = KVTransfer(slots, None, copier)  # reads leased blocks out for a decode replica
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -140,11 +147,45 @@ class LLMEngine:
         request = Request(
             request_id, prompt_ids, sp, eos_token_ids=tuple(self.eos_token_ids), extra_key=extra_key(cache_salt)
         )
+        request.kv_lease = self._kv_lease(sp, beam)
         if beam is not None:  # one request, the prompt, until its first step forks the beams
             request.beam = BeamGroup(request, beam, request.eos_token_ids, self.scheduler.max_total_tokens)
         self.scheduler.add_request(request)
         self.output_processor.add_group(request, prompt if isinstance(prompt, str) else None)
         return request_id
+
+    def _kv_lease(self, params: SamplingParams, beam: BeamSearchParams | None) -> float:
+        """Seconds to hold the prompt's blocks for a decode replica: kv_transfer_params
+        do_remote_decode (vLLM's), on a replica that prefills for others."""
+        transfer = (params.extra_args or {}).get("kv_transfer_params") or {}
+        if not transfer.get("do_remote_decode"):
+            return 0.0
+        if self.config.role == "decode":
+            raise ValueError("kv_transfer_params.do_remote_decode: this replica's role is decode, not prefill")
+        if beam is not None or params.n != 1:
+            raise ValueError("kv_transfer_params.do_remote_decode needs n=1 and no beam search")
+        return self.config.kv_lease_seconds
+
+    def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> list[bytes]:
+        """The records (as the tiers store them) of the leading run of `block_keys` that lease
+        `owner` holds; with `release`, the lease is dropped once they are read."""
+        ids = self.kv.leased_blocks(owner, block_keys, self.config.kv_lease_seconds)
+        payloads = self.exporter.read(ids) if ids else []
+        ns = self.namespace
+        records = [encode(ns, tier_key(ns.digest, k), p) for k, p in zip(block_keys, payloads, strict=False)]
+        if release:
+            self.release_kv(owner)
+        return records
+
+    def release_kv(self, owner: str) -> bool:
+        released = self.kv.release(owner)
+        if released:
+            self._check_if_idle()
+        return released
+
+    def expire_kv_leases(self) -> None:
+        if self.kv.leases and self.kv.expire_leases(time.monotonic()):
+            self._check_if_idle()
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -253,10 +294,12 @@ class LLMEngine:
             self.kv_events = None
 
     def _check_if_idle(self) -> None:
-        """With check_invariants, at idle: the pool's and the prefix cache's own invariants, and no block in use."""
+        """With check_invariants, at idle: the pool's and the prefix cache's own invariants, and no
+        block in use but those a prefill replica holds for a decode replica."""
         if self.check_invariants and not self.has_unfinished_requests():
             self.kv.check_integrity()
-            assert self.kv.pool.num_used_blocks == 0, f"{self.kv.pool.num_used_blocks} blocks in use at idle"
+            used, leased = self.kv.pool.num_used_blocks, self.kv.num_leased_blocks
+            assert used == leased, f"{used} blocks in use at idle, {leased} of them leased"
 
 
 def make_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
@@ -268,25 +311,33 @@ def make_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
     )
 
 
+def kv_namespace(
+    model_dir: Path, kv_caches: list[torch.Tensor], weight_dtype: torch.dtype, block_size: int
+) -> Namespace:
+    """What a stored or handed-off block's bytes depend on besides its tokens."""
+    kv_dtype = kv_caches[0].dtype
+    return Namespace(
+        model_fingerprint(model_dir),
+        str(kv_dtype).removeprefix("torch."),
+        block_size,
+        block_shape(kv_caches),
+        None if weight_dtype == kv_dtype else str(weight_dtype).removeprefix("torch."),
+    )
+
+
 def make_kv_store(
     config: EngineConfig,
-    model_dir: Path,
-    kv_caches: list[torch.Tensor],
-    weight_dtype: torch.dtype,
+    namespace: Namespace,
+    on_accelerator: bool,
     on_events: EventSink | None = None,
+    handoff_bytes: int = 0,
 ) -> TieredKVStore | None:
-    """The tiers the config turns on, in order: host RAM, disk, Redis; None if none is."""
-    host = config.kv_host_bytes(on_accelerator=kv_caches[0].device.type != "cpu")
+    """The tiers the config turns on, in order: host RAM, disk, Redis, and on a decode replica
+    the blocks pulled from prefill replicas; None if none is."""
+    host = config.kv_host_bytes(on_accelerator)
     disk = config.kv_disk_bytes()
-    if not host and not disk and not config.kv_remote:
+    if not host and not disk and not config.kv_remote and not handoff_bytes:
         return None
-    namespace = Namespace(
-        model_fingerprint(model_dir),
-        str(kv_caches[0].dtype).removeprefix("torch."),
-        config.block_size,
-        block_shape(kv_caches),
-        None if weight_dtype == kv_caches[0].dtype else str(weight_dtype).removeprefix("torch."),
-    )
     tiers = []
     for name, size in (("kv_host_memory", host), ("kv_disk_size", disk)):
         if 0 < size < namespace.block_nbytes:  # such a tier would drop every block, starving the ones below
@@ -297,5 +348,7 @@ def make_kv_store(
         tiers.append(DiskTier(config.kv_disk_path(), disk, namespace))
     if config.kv_remote:
         tiers.append(RedisTier(config.kv_remote, namespace))
+    if handoff_bytes:
+        tiers.append(HandoffTier(handoff_bytes))
     logger.info("KV tiers: %s (%s)", ", ".join(t.name for t in tiers), config.kv_write_policy)
     return TieredKVStore(namespace, tiers, config.kv_write_policy, on_events=on_events)

@@ -6,6 +6,7 @@ A beam-search request has one output, when its search ends: its best hypotheses,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
@@ -97,6 +98,7 @@ class OutputProcessor:
             finished=group.finished,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=_metrics(first),
+            kv_transfer_params=_handoff(first),
         )
 
     def drop(self, group_id: str) -> RequestGroup | None:
@@ -170,3 +172,16 @@ def _metrics(req: Request) -> RequestMetrics:
         decode_time=None if t.finished is None or t.first_token is None else t.finished - t.first_token,
         num_preemptions=req.num_preemptions,
     )
+
+
+def _handoff(request: Request) -> dict[str, Any] | None:
+    """vLLM's do_remote_prefill answer, once a prefill replica holds the blocks (the server adds
+    its engine id and address)."""
+    if request.remote_block_ids is None:
+        return None
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_request_id": request.request_id,
+        "remote_block_ids": request.remote_block_ids,
+    }

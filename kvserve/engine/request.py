@@ -61,6 +61,10 @@ class Request:
     times: RequestTimes = field(default_factory=RequestTimes)
     generator: torch.Generator | None = field(default=None, repr=False)
     beam: BeamGroup | None = field(default=None, repr=False)  # beam search: the group this beam is in
+    # a prefill replica's handoff (kv_transfer_params do_remote_decode): seconds to hold the
+    # finished prompt's blocks for the decode replica, and the ids of the blocks it held
+    kv_lease: float = 0.0
+    remote_block_ids: list[int] | None = None
     seq_id: int = field(init=False)  # unique per sample; what block tables are keyed by
 
     def __post_init__(self) -> None:

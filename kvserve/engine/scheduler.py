@@ -370,6 +370,8 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.times.finished = time.monotonic()
+        if req.kv_lease and status in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH):
+            req.remote_block_ids = self.kv.hold(req.request_id, req, req.kv_lease)
         self.kv.free(req)
 
     def _abort_beam_group(self, group: BeamGroup, status: RequestStatus) -> None:

@@ -33,6 +33,12 @@ and loaded ones the same way (`_longest_run`). In flight and in the tiers, a gro
 block goes by `group_key`; a load first fetches the first group's run, then the other
 groups' blocks that a query at its end still sees (`WindowLoad`), and keeps the longest
 run every group can serve.
+
+Prefill/decode disaggregation: a prefill replica `hold`s a finished prompt's cached
+blocks under a lease (one more reference each, so they are neither evicted nor freed)
+until the decode replica has pulled them (`release`) or the lease runs out
+(`expire_leases`). A pull names block keys; only the leading run equal to the lease's
+own keys is served, and keys carry the tenant's salt, so another tenant's pull gets none.
 """
 
 from __future__ import annotations
@@ -134,6 +140,15 @@ class WindowLoad:
 
 
 @dataclass
+class Lease:
+    """A prefill replica's hold on a finished prompt's blocks, for a decode replica to pull."""
+
+    blocks: list[KVCacheBlock]
+    block_keys: list[bytes]
+    deadline: float  # time.monotonic()
+
+
+@dataclass
 class PrefixCacheStats:
     queries: int = 0  # tokens looked up at admission
     hits: int = 0  # of those, tokens found cached in the device pool
@@ -175,6 +190,8 @@ class KVCacheManager:
         self.pending_loads: list[BlockLoad] = []
         self.events: list[KVCacheEvent] | None = [] if events else None
         self.event_token_ids = events == "tokens"
+        self.leases: dict[str, Lease] = {}  # by the prefill request's id
+        self.num_expired_leases = 0
 
     @property
     def num_tokens_capacity(self) -> int:
@@ -659,14 +676,61 @@ class KVCacheManager:
             self._drop_in_flight(request, group_table, 0, len(group_table), g)
             self.pool.free_blocks([b for b in reversed(group_table) if b is not None])
 
+    # leases (prefill/decode handoff)
+
+    def hold(self, owner: str, request: KVRequest, seconds: float) -> list[int]:
+        """Keep the request's cached blocks (its prompt's full blocks) for `seconds`, for a decode
+        replica to load; returns their ids. All of them, not only the ones a decode replica loads:
+        a radix node's blocks have one holder count."""
+        done = self.cached_prefixes.get(request.seq_id)
+        if self.prefix_cache is None or self.groups or done is None:  # with groups, the tiers are off too
+            return []
+        blocks = self.block_tables[request.seq_id][: done.num_blocks]
+        if blocks:
+            self.pool.incr_ref(blocks)
+            self.leases[owner] = Lease(blocks, request.block_keys[: len(blocks)], time.monotonic() + seconds)
+        return [b.block_id for b in blocks]
+
+    def leased_blocks(self, owner: str, block_keys: list[bytes], seconds: float) -> list[int]:
+        """The ids of the leading run of `block_keys` that lease `owner` holds, renewing it."""
+        lease = self.leases.get(owner)
+        if lease is None:
+            return []
+        n = 0
+        for held, asked in zip(lease.block_keys, block_keys, strict=False):
+            if held != asked:
+                break
+            n += 1
+        lease.deadline = max(lease.deadline, time.monotonic() + seconds)
+        return [b.block_id for b in lease.blocks[:n]]
+
+    def release(self, owner: str) -> bool:
+        """The decode side has the blocks, or gave up: drop the lease's references."""
+        lease = self.leases.pop(owner, None)
+        if lease is not None:
+            self.pool.free_blocks(reversed(lease.blocks))
+        return lease is not None
+
+    def expire_leases(self, now: float) -> int:
+        expired = [owner for owner, lease in self.leases.items() if lease.deadline <= now]
+        for owner in expired:
+            self.release(owner)
+        self.num_expired_leases += len(expired)
+        return len(expired)
+
+    @property
+    def num_leased_blocks(self) -> int:
+        return len({b.block_id for lease in self.leases.values() for b in lease.blocks})
+
     def check_integrity(self) -> None:
-        """The pool's and the prefix cache's invariants, each block's ref count = the tables holding
-        it, and the in-flight blocks held and not yet cached."""
+        """The pool's and the prefix cache's invariants, each block's ref count = the tables (and
+        leases) holding it, and the in-flight blocks held and not yet cached."""
         self.pool.check_integrity()
         for cache in [self.prefix_cache, *self.group_caches]:
             if cache is not None:
                 cache.check_integrity()
         tables = [*self.block_tables.values(), *(t for group in self.group_tables for t in group.values())]
+        tables += [lease.blocks for lease in self.leases.values()]
         held = Counter(b.block_id for table in tables for b in table if b is not None)
         wrong = [b.block_id for b in self.pool.blocks if b.ref_cnt != held[b.block_id]]
         assert not wrong, f"blocks {wrong[:5]} have ref counts that differ from the tables holding them"

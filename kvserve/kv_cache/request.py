@@ -24,6 +24,9 @@ class KVRequest(Protocol):
         """Tokens whose K/V are in the pool (cached or computed)."""
 
     @property
+    def num_prompt_tokens(self) -> int: ...
+
+    @property
     def extra_key(self) -> bytes:
         """What partitions the prefix cache besides tokens: digest of tenant salt, adapter."""
 

@@ -28,6 +28,8 @@ from kvserve.server.dashboard_history import DashboardHistory
 from kvserve.server.dashboard_state import replica_state
 from kvserve.server.errors import APIError, add_exception_handlers
 from kvserve.server.fields import UnknownFields
+from kvserve.server.kv_transfer import handoff_params
+from kvserve.server.kv_transfer import router as kv_transfer_router
 from kvserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from kvserve.server.middleware import BodySizeLimit
 from kvserve.server.protocol import (
@@ -70,6 +72,7 @@ class ServerSettings:
     stats_log_interval: float
     host: str = "127.0.0.1"
     strict_fields: bool = False
+    kv_load_failure_policy: str = "recompute"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerSettings:
@@ -86,6 +89,7 @@ class ServerSettings:
             args.stats_log_interval,
             args.host,
             args.strict_fields,
+            args.kv_load_failure_policy,
         )
 
 
@@ -110,14 +114,26 @@ def check_fields(request: RequestModel, raw_request: Request) -> None:
 @with_cancellation
 async def create_completion(request: CompletionRequest, raw_request: Request, tenant: Tenant) -> Any:
     check_fields(request, raw_request)
-    return await raw_request.app.state.openai_serving_completion.create_completion(request, tenant)
+    response = await raw_request.app.state.openai_serving_completion.create_completion(request, tenant)
+    return _with_handoff_address(response, raw_request)
 
 
 @router.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_STREAMABLE)
 @with_cancellation
 async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request, tenant: Tenant) -> Any:
     check_fields(request, raw_request)
-    return await raw_request.app.state.openai_serving_chat.create_chat_completion(request, tenant)
+    response = await raw_request.app.state.openai_serving_chat.create_chat_completion(request, tenant)
+    return _with_handoff_address(response, raw_request)
+
+
+def _with_handoff_address(response: Any, raw_request: Request) -> Any:
+    """A prefill replica's answer names this engine and the address the caller reached it by."""
+    params = getattr(response, "kv_transfer_params", None)
+    if params is not None:
+        host, port = raw_request.scope["server"]
+        engine: EngineClient = raw_request.app.state.engine
+        response.kv_transfer_params = handoff_params(params, engine.replica_info.engine_id, host, port)
+    return response
 
 
 @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
@@ -192,7 +208,16 @@ async def server_info(raw_request: Request) -> ServerInfoResponse:
         kv_events=_kv_events_info(info.kv_events, state.host),
         kv_tiers=list(info.kv_tiers),
         api_keys_required=not state.api_keys.open,
+        role=info.role,
+        kv_transfer_endpoint=_transfer_endpoint(info.role, raw_request),
     )
+
+
+def _transfer_endpoint(role: str, raw_request: Request) -> str | None:
+    if role == "decode":
+        return None
+    host, port = raw_request.scope["server"]
+    return f"http://{host}:{port}/kv_transfer/pull"
 
 
 def _kv_events_info(events: KVEventsInfo | None, host: str) -> KVEventsInfoResponse | None:
@@ -227,16 +252,17 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
 def build_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="kvserve", version=version("kvserve"), lifespan=lifespan)
     app.include_router(router)
+    app.include_router(kv_transfer_router)
     add_exception_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_request_body_size)
     metrics = ServerMetrics(engine)
     engine.on_step.append(metrics.latency)
     state = app.state
     state.engine, state.api_keys, state.metrics = engine, settings.api_keys, metrics
-    state.stats_log_interval = settings.stats_log_interval
+    state.stats_log_interval, state.cache_secret = settings.stats_log_interval, settings.cache_secret
     state.served_model_name, state.host = settings.served_model_name, settings.host
     state.unknown_fields = UnknownFields(settings.strict_fields)
-    serving = (engine, settings.served_model_name, metrics, settings.cache_secret)
+    serving = (engine, settings.served_model_name, metrics, settings.cache_secret, settings.kv_load_failure_policy)
     state.openai_serving_completion = OpenAIServingCompletion(*serving)
     state.openai_serving_chat = OpenAIServingChat(*serving)
     state.openai_serving_tokenization = OpenAIServingTokenization(*serving)

@@ -56,6 +56,8 @@ class EngineCollector(Collector):
         yield _counter("prefix_cache_evictions", "Blocks evicted from the prefix cache.", stats.prefix_cache_evictions)
         yield from _tier_metrics(load.kv_tiers, load.block_size)
         yield _counter("num_preemptions", "Preemptions of running requests.", stats.num_preemptions)
+        yield _gauge("kv_leases", "Prompts whose blocks this replica holds for a decode replica.", load.kv_leases)
+        yield _counter("kv_lease_expiries", "Leases run out unpulled.", load.kv_lease_expiries)
         yield _counter("prompt_tokens", "Prefill tokens of requests that produced a token.", stats.prompt_tokens)
         yield _counter("generation_tokens", "Generated tokens.", stats.generation_tokens)
         success = CounterMetricFamily(
@@ -172,6 +174,26 @@ class ServerMetrics:
         self.tenant_cached_tokens = Counter(
             "kvserve:tenant_cached_tokens", "Prompt tokens served from the cache.", ["tenant"], registry=self.registry
         )
+
+        # prefill/decode handoff, direct path (through Redis it is the redis tier's own counters)
+        self.kv_transfer_blocks = Counter(
+            "kvserve:kv_transfer_blocks", "KV blocks handed off directly.", ["direction"], registry=self.registry
+        )
+        self.kv_transfer_bytes = Counter(
+            "kvserve:kv_transfer_bytes", "Bytes of KV handed off directly.", ["direction"], registry=self.registry
+        )
+        self.kv_transfer_seconds = Counter(
+            "kvserve:kv_transfer_seconds", "Time spent handing KV off.", ["direction"], registry=self.registry
+        )
+        self.kv_load_failures = Counter(
+            "kvserve:kv_load_failures", "Pulls of a prompt's KV from a prefill replica that failed.",
+            registry=self.registry,
+        )  # fmt: skip
+
+    def kv_transferred(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_blocks.labels(direction).inc(blocks)
+        self.kv_transfer_bytes.labels(direction).inc(nbytes)
+        self.kv_transfer_seconds.labels(direction).inc(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

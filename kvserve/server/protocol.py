@@ -118,6 +118,11 @@ class SamplingRequest(RequestModel):
     return_token_ids: bool = Field(
         False, description="vLLM's: the prompt's token ids and each choice's generated ids beside the text"
     )
+    kv_transfer_params: dict[str, Any] | None = Field(
+        None,
+        description="vLLM's prefill/decode handoff: {do_remote_decode: true} to a prefill replica; its answer's "
+        "kv_transfer_params (do_remote_prefill, remote_host, ...) to a decode replica",
+    )
 
     @model_validator(mode="after")
     def _stream_options_need_stream(self) -> SamplingRequest:
@@ -183,7 +188,7 @@ class TokenIdsResponse(BaseModel):
     @model_serializer(mode="wrap")
     def _leave_out_unasked_ids(self, handler: SerializerFunctionWrapHandler):  # unannotated: keeps the schema
         data = handler(self)
-        for name in ("prompt_token_ids", "token_ids"):
+        for name in ("prompt_token_ids", "token_ids", "kv_transfer_params"):
             if name in data and data[name] is None:
                 del data[name]
         return data
@@ -245,13 +250,14 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: PromptTokenUsageInfo = Field(default_factory=PromptTokenUsageInfo)
 
 
-class CompletionResponse(BaseModel):
+class CompletionResponse(TokenIdsResponse):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill replica's do_remote_prefill answer
 
 
 class CompletionStreamResponse(BaseModel):
@@ -342,6 +348,7 @@ class ChatCompletionResponse(TokenIdsResponse):
     choices: list[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_token_ids: list[int] | None = None  # return_token_ids (chat: here, not in the choices)
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill replica's do_remote_prefill answer
 
 
 class DeltaMessage(BaseModel):
@@ -447,3 +454,7 @@ class ServerInfoResponse(BaseModel):
     kv_events: KVEventsInfoResponse | None
     kv_tiers: list[str] = Field(description="the tiers below the device pool, in order")
     api_keys_required: bool
+    role: str = Field("both", description="prefill/decode disaggregation: prefill, decode or both")
+    kv_transfer_endpoint: str | None = Field(
+        None, description="where a decode replica pulls this prefill replica's blocks (POST, HMAC-authenticated)"
+    )

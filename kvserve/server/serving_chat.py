@@ -73,6 +73,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=usage([final]),
             prompt_token_ids=final.prompt_token_ids if request.return_token_ids else None,
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def _stream(

@@ -69,7 +69,13 @@ class OpenAIServingCompletion(OpenAIServing):
                         token_ids=c.token_ids if request.return_token_ids else None,
                     )
                 )
-        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices, usage=usage(finals))
+        return CompletionResponse(
+            id=request_id,
+            model=self.served_model_name,
+            choices=choices,
+            usage=usage(finals),
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 else None,
+        )
 
     async def _stream(
         self,

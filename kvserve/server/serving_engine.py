@@ -17,6 +17,7 @@ from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.server.async_utils import merge_async_iterators
 from kvserve.server.auth import cache_salt
 from kvserve.server.errors import APIError, bad_request, value_error
+from kvserve.server.kv_transfer import PullFailed, handoff_keys, pull_blocks
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionMessageParam,
@@ -38,8 +39,16 @@ def random_uuid() -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: EngineClient, served_model_name: str, metrics: ServerMetrics, cache_secret: bytes):
+    def __init__(
+        self,
+        engine: EngineClient,
+        served_model_name: str,
+        metrics: ServerMetrics,
+        cache_secret: bytes,
+        kv_load_failure_policy: str = "recompute",
+    ):
         self.engine = engine
+        self.kv_load_failure_policy = kv_load_failure_policy
         self.tokenizer = engine.tokenizer
         self.served_model_name = served_model_name
         self.metrics = metrics
@@ -81,7 +90,10 @@ class OpenAIServing:
         try:
             if request.use_beam_search:  # no max_tokens: up to the context (the engine caps it)
                 return request.to_beam_search_params(max_tokens or self.max_model_len)
-            return request.to_sampling_params(max_tokens)
+            params = request.to_sampling_params(max_tokens)
+            if request.kv_transfer_params:
+                params.extra_args = {"kv_transfer_params": request.kv_transfer_params}
+            return params
         except ValueError as e:
             raise value_error(e, set(type(request).model_fields)) from e
 
@@ -101,14 +113,46 @@ class OpenAIServing:
     async def _generate_one(
         self, prompt: list[int], params: SamplingParams | BeamSearchParams, request_id: str, salt: str, tenant: str
     ) -> AsyncIterator[RequestOutput]:
+        transfer = (getattr(params, "extra_args", None) or {}).get("kv_transfer_params") or {}
+        if transfer.get("do_remote_prefill") and transfer.get("kv_path") != "redis":
+            await self._pull_prefix(prompt, salt, transfer)
         first = True
         async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=salt)) as outputs:
             async for out in outputs:
+                if out.kv_transfer_params is not None and "redis" in self.engine.replica_info.kv_tiers:
+                    out.kv_transfer_params = await self._hand_off_through_redis(out)
                 if first:
                     first = False
                     self.metrics.tenant_requests.labels(tenant).inc()
                     self.metrics.tenant_cached_tokens.labels(tenant).inc(out.num_cached_tokens)
                 yield out
+
+    async def _hand_off_through_redis(self, out: RequestOutput) -> dict:
+        """A prefill replica sharing a Redis tier with the decode side: its blocks went there as
+        they filled; once those writes are done, the decode replica's own lookup finds them, so
+        nothing need be held here."""
+        await self.engine.flush_kv()
+        self.engine.release_kv(out.request_id)
+        return {**out.kv_transfer_params, "kv_path": "redis"}
+
+    async def _pull_prefix(self, prompt: list[int], salt: str, transfer: dict) -> None:
+        """A decode replica: the prompt's blocks from the prefill replica that computed them,
+        for this request's prefix lookup. A failed pull is computed here, or with the `fail`
+        policy an error, as vLLM's --kv-load-failure-policy."""
+        info = self.engine.replica_info
+        keys = handoff_keys(prompt, salt, info.block_size)
+        if not keys:
+            return
+        try:
+            pulled = await pull_blocks(transfer, keys, self._cache_secret, info.kv_record_bytes)
+        except PullFailed as e:
+            self.metrics.kv_load_failures.inc()
+            if self.kv_load_failure_policy == "fail":
+                raise APIError(500, f"could not load the prompt's KV blocks: {e}", code="kv_load_failed") from e
+            logger.warning("could not pull the prompt's KV blocks (%s): computing them here", e)
+            return
+        n = self.engine.import_kv(keys, pulled.records)
+        self.metrics.kv_transferred("received", n, pulled.nbytes, pulled.seconds)
 
     @contextmanager
     def engine_errors(self, fields: set[str], rename: dict[str, str] | None = None) -> Iterator[None]:

@@ -208,7 +208,9 @@ class TieredKVStore:
         self.namespace = namespace
         self.tiers = list(tiers)
         self.local = [t for t in tiers if t.name in ("host", "disk")]
-        self.shared = [t for t in tiers if t.name not in ("host", "disk")]
+        self.shared = [t for t in tiers if t.name not in ("host", "disk", "handoff")]
+        # blocks pulled from a prefill replica: looked up first, never written to by the store
+        self.handoff = next((t for t in tiers if t.name == "handoff"), None)
         self.write_policy = WritePolicy(write_policy)
         self.load_timeout = load_timeout
         self.use = {t.name: TierUse() for t in tiers}
@@ -239,6 +241,11 @@ class TieredKVStore:
             local = self.write_policy is WritePolicy.WRITE_THROUGH and self.local
             return [bool(local) or (bool(self.shared) and k not in self._shared_known) for k in keys]
         return [not any(t.contains([k]) for t in self.local) for k in keys]
+
+    def put_handoff(self, block_keys: Sequence[bytes], payloads: Sequence[Payload]) -> None:
+        """Blocks pulled from a prefill replica, for the next lookup of their prefix."""
+        if self.handoff is not None:
+            self.handoff.put(list(zip(self.keys(block_keys), payloads, strict=True)))
 
     def payload_buffers(self, n: int) -> list[memoryview] | None:
         """n writable block buffers to gather a save into: host RAM's, which it keeps without a
@@ -316,15 +323,16 @@ class TieredKVStore:
         if not self.shared or end == len(keys):
             if not plan:
                 return None
-            if all(t.name == "host" for t, _, _ in plan):
+            if all(t.name in ("host", "handoff") for t, _, _ in plan):
                 return KVLoad(first_block, deadline, result=self._load(keys, plan, remote=False))
         return KVLoad(first_block, deadline, future=self._loader.submit(self._load, keys, plan, bool(self.shared)))
 
     def _plan_local(self, keys: list[bytes]) -> tuple[list[tuple[KVTier, int, int]], int]:
         """Runs of keys each served by one local tier, from their in-memory indexes."""
         plan, pos = [], 0
+        local = self.local if self.handoff is None else [self.handoff, *self.local]
         while pos < len(keys):
-            for tier in self.local:
+            for tier in local:
                 n = tier.contains(keys[pos:])
                 if n:
                     plan.append((tier, pos, pos + n))
