@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import signal
+import sys
+from dataclasses import dataclass
 
 import httpx
 import pytest
+from test_router import Process, _auth, _wait_until, cached, replica_process
+from test_server_common import metrics, write_keys
 
+from kvserve.entrypoints.cluster import free_port
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.events import BlockStored
 from kvserve.kv_cache.prefix_cache import extra_key
@@ -24,7 +31,7 @@ from kvserve.router.index import SentBlocks
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.pd import LOCAL, handoff_params, prefill_body, wants_remote_prefill
 from kvserve.router.policy import make_policy
-from kvserve.router.proxy import Proxy
+from kvserve.router.proxy import PATHS, Proxy
 from kvserve.router.replicas import (
     PREFILL_QUEUE_LIMIT,
     Flight,
@@ -35,6 +42,7 @@ from kvserve.router.replicas import (
     State,
 )
 from kvserve.router.request import RoutedRequest
+from kvserve.router.tokenizer import RouterTokenizer
 from kvserve.server.auth import cache_salt
 
 SECRET = "router-test-secret"
@@ -183,3 +191,130 @@ def test_server_info_without_a_role_is_both():
     data |= {"num_kv_blocks": 10, "max_model_len": 64}
     assert ServerInfo.from_json(data, "http://r").role == "both"
     assert ServerInfo.from_json({**data, "role": "decode"}, "http://r").role == "decode"
+
+
+# --- the cluster: one prefill and one decode replica behind the router ------------------------------
+
+
+@dataclass
+class PD:
+    prefill: Process
+    decode: Process
+    router: Process
+    tokenizer: RouterTokenizer
+
+    def post(self, url: str, path: str, body: dict, key: str = "key-a") -> httpx.Response:
+        response = httpx.post(f"{url}{path}", json=body, headers=_auth(key), timeout=120)
+        assert response.status_code == 200, response.text
+        return response
+
+
+@pytest.fixture(scope="module")
+def pd(tiny_model_dir, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("router-pd")
+    keys = write_keys(tmp / "keys")
+    prefill = replica_process(tiny_model_dir, tmp, 0)
+    decode = replica_process(tiny_model_dir, tmp, 1)
+    prefill.cmd += ["--role", "prefill"]
+    decode.cmd += ["--role", "decode"]
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvserve.entrypoints.cli", "router", "--port", str(port)]
+    cmd += ["--prefill", prefill.url, "--decode", decode.url, "--max-local-prefill-tokens", str(MAX_LOCAL)]
+    cmd += ["--api-keys", str(keys), "--cache-secret", SECRET]
+    router = Process(cmd, f"http://127.0.0.1:{port}", tmp / "router.log")
+    try:
+        for p in (prefill, decode):
+            p.start()
+        for p in (prefill, decode):
+            p.wait_healthy()
+        router.start()
+        router.wait_healthy(timeout=60)
+        state = lambda: httpx.get(f"{router.url}/router/replicas", headers=_auth("key-a"), timeout=5).json()  # noqa: E731
+        _wait_until(lambda: all(r["state"] == "healthy" for r in state()), 10, "replicas discovered")
+        assert [r["role"] for r in state()] == ["prefill", "decode"]
+        yield PD(prefill, decode, router, RouterTokenizer.from_dir(tiny_model_dir))
+    finally:
+        for p in (router, prefill, decode):
+            if p.proc is not None:
+                p.stop()
+
+
+def _long_text(tok: RouterTokenizer, topic: str, tokens: int = 200) -> str:
+    """A prompt of about `tokens` tokens, unlike any other test's (so cold on every replica)."""
+    words: list[str] = []
+    while len(tok.encode(" ".join(words))) < tokens:
+        words.append(f"{topic}-{len(words)}")
+    return " ".join(words)
+
+
+def _text(kind: str, body: dict, response: httpx.Response) -> tuple[str, dict]:
+    if not body.get("stream"):
+        choice, usage = response.json()["choices"][0], response.json()["usage"]
+        return (choice["text"] if kind == "completion" else choice["message"]["content"]), usage
+    text, usage = "", None
+    for line in response.text.splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            for c in chunk["choices"]:
+                text += c.get("text") or (c.get("delta") or {}).get("content") or ""
+    return text, usage
+
+
+def _body(kind: str, text: str, stream: bool) -> dict:
+    body: dict = {"max_tokens": 16, "temperature": 0}
+    body |= {"prompt": text} if kind == "completion" else {"messages": [{"role": "user", "content": text}]}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+def _counter(url: str, name: str) -> float:
+    return sum(v for (n, _), v in metrics(url).items() if n == f"kvserve:router_{name}_total")
+
+
+CASES = [("completion", False), ("completion", True), ("chat", False), ("chat", True)]
+
+
+@pytest.mark.parametrize(("kind", "stream"), CASES)
+def test_a_long_prompt_prefilled_remotely_decodes_as_one_replica_alone_would(pd, kind, stream):
+    """The reference is the decode replica itself, computing the prompt under another tenant (no block of
+    tenant A's to find); through the router the prompt is cold there too, so a prefill replica computes
+    it and the decode replica pulls it: the same greedy text, every whole block but the last token's
+    reported cached, as the router predicted."""
+    path = PATHS[kind]
+    body = _body(kind, _long_text(pd.tokenizer, f"{kind}{int(stream)}"), stream)
+    alone, _ = _text(kind, body, pd.post(pd.decode.url, path, body, key="key-b"))
+    remote_before = _counter(pd.router.url, "remote_prefills")
+    response = pd.post(pd.router.url, path, body)
+    text, usage = _text(kind, body, response)
+    assert text == alone and text
+    assert _counter(pd.router.url, "remote_prefills") == remote_before + 1
+    assert response.headers["x-kvserve-replica"] == "1"
+    assert cached(usage) == int(response.headers["x-kvserve-predicted-cached-tokens"]) >= 10 * BS
+    # the same prompt again: its blocks are on the decode replica now, a local prefill of the last block
+    local_before = _counter(pd.router.url, "local_prefills")
+    again, usage = _text(kind, body, pd.post(pd.router.url, path, body))
+    assert again == alone and _counter(pd.router.url, "local_prefills") == local_before + 1
+
+
+def test_a_short_prompt_never_leaves_its_decode_replica(pd):
+    remote_before = _counter(pd.router.url, "remote_prefills")
+    pd.post(pd.router.url, "/v1/completions", {"prompt": "Short and sweet.", "max_tokens": 4})
+    assert _counter(pd.router.url, "remote_prefills") == remote_before
+
+
+def test_no_request_fails_when_the_prefill_replica_is_sigkilled(pd):
+    """Killed with no warning: the router's next prefill call is refused (or the health check got there
+    first) and the decode replica computes the prompt itself, the same greedy text."""
+    body = _body("completion", _long_text(pd.tokenizer, "after-the-kill"), False)
+    alone, _ = _text("completion", body, pd.post(pd.decode.url, "/v1/completions", body, key="key-b"))
+    pd.prefill.stop(signal.SIGKILL)
+    text, _ = _text("completion", body, pd.post(pd.router.url, "/v1/completions", body))
+    assert text == alone
+    streamed = _body("chat", _long_text(pd.tokenizer, "after-the-kill-chat"), True)
+    assert _text("chat", streamed, pd.post(pd.router.url, "/v1/chat/completions", streamed))[0]
+    fell_back = _counter(pd.router.url, "prefill_fallbacks")
+    m = metrics(pd.router.url)
+    no_prefill = m.get(("kvserve:router_local_prefills_total", (("reason", "no_prefill_replica"),)), 0)
+    assert fell_back + no_prefill >= 2

@@ -55,9 +55,7 @@ def handoff_params(reply: Any) -> dict[str, Any] | None:
     params = reply.get("kv_transfer_params") if isinstance(reply, dict) else None
     if not isinstance(params, dict) or params.get("do_remote_prefill") is not True:
         return None
-    if not isinstance(params.get("remote_block_ids"), list):
-        return None
-    return params
+    return params  # passed on as it came: its fields (kv_path, tp_size, ...) are the replicas' business
 
 
 @dataclass(frozen=True)

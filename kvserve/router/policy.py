@@ -33,9 +33,6 @@ class Decision:
     uncached_tokens: int  # prefill the request brings there (whole blocks found count as cached)
     cost: float
     load: float
-    # its prompt's KV came from a prefill replica (P/D): what the replica reports cached is then the handoff's,
-    # not a prediction of the router's
-    handed_off: bool = False
 
 
 def score(

@@ -34,6 +34,7 @@ from starlette.types import Receive, Scope, Send
 
 from kvserve.logger import logger
 from kvserve.router.args import MAX_LOCAL_PREFILL_TOKENS
+from kvserve.router.index import usable_blocks
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import StreamCut, StreamProgress, upstream_body
 from kvserve.router.pd import LOCAL, Handoff, handoff_params, prefill_body, wants_remote_prefill
@@ -191,7 +192,7 @@ class Proxy:
             r = decision.replica
             if handoff is None:
                 handoff = await self._handoff(request, decision)
-            decision = _decoding(decision, handoff)
+            decision = _decoding(decision, request, handoff)
             try:
                 response = await self._post(decision, request, handoff.apply(request.body))
             except Retry as e:
@@ -302,7 +303,7 @@ class Proxy:
         while (decision := self.choose(request, exclude)) is not None:
             if handoff is None:
                 handoff = await self._handoff(request, decision)
-            decision = _decoding(decision, handoff)
+            decision = _decoding(decision, request, handoff)
             try:
                 upstream, first = await self._open(decision, request, PATHS[request.kind], handoff.apply(body))
             except Retry as e:
@@ -463,8 +464,7 @@ class Proxy:
         if usage is None or not request.prompts:
             return
         reported = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-        if not decision.handed_off:  # else its cached tokens are the handoff's, no prediction of the router's
-            self.metrics.cached_tokens(r, decision.predicted_cached_tokens, reported)
+        self.metrics.cached_tokens(r, decision.predicted_cached_tokens, reported)
         if sum(len(k) for k in request.keys) * self._block_size() > decision.predicted_cached_tokens:
             r.expect_events(request.arrived)  # its blocks were stored after it arrived
 
@@ -473,12 +473,15 @@ class Proxy:
         return info.block_size if info else 1
 
 
-def _decoding(decision: Decision, handoff: Handoff) -> Decision:
-    """The decode replica's decision once the prompt's way there is known: handed off, it has no prefill to
-    queue (only the last token, recomputed)."""
+def _decoding(decision: Decision, request: RoutedRequest, handoff: Handoff) -> Decision:
+    """The decode replica's decision once the prompt's way there is known. Handed off, it has no prefill to
+    queue (only the last token, recomputed) and finds every whole block but the last token's cached (pulled
+    into its handoff tier, which its prefix lookup reads first)."""
     if handoff.params is None:
         return decision
-    return dataclasses.replace(decision, uncached_tokens=0, handed_off=True)
+    bs = decision.replica.info.block_size if decision.replica.info else 1
+    cached = sum(usable_blocks(len(p), bs) * bs for p in request.prompts)
+    return dataclasses.replace(decision, predicted_cached_tokens=cached, uncached_tokens=0)
 
 
 def refused_or_reset(error: Exception) -> bool:
