@@ -100,6 +100,8 @@ def test_a_short_or_warm_prompt_prefills_on_its_decode_replica_a_long_cold_one_r
     assert wants_remote_prefill(_request(short), policy.choose(_request(short), [cold]), MAX_LOCAL) == "short"
     batch = RoutedRequest("completion", {}, "A", None, [long, long], [keys_of(long)] * 2)
     assert wants_remote_prefill(batch, policy.choose(batch, [cold]), MAX_LOCAL) == "batch"
+    beams = _request(long, use_beam_search=True, n=2)  # a replica hands off sampled requests only
+    assert wants_remote_prefill(beams, alone, MAX_LOCAL) == "beam_search"
 
 
 def test_requests_are_served_by_decode_and_both_replicas_never_by_a_prefill_one():

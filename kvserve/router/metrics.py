@@ -62,7 +62,8 @@ class RouterMetrics:
         self.local_prefills = Counter(
             "kvserve:router_local_prefills",
             "Requests whose replica computed their prompt itself: short (few tokens uncached there), "
-            "batch (several prompts), no_prefill_replica (none healthy and free), fallback (a remote prefill failed).",
+            "batch (several prompts), beam_search, no_prefill_replica (none healthy and free), "
+            "fallback (a remote prefill failed).",
             ["reason"],
             registry=r,
         )

@@ -27,9 +27,12 @@ _NOT_FOR_PREFILL = ("stream_options", "min_tokens", "best_of")
 def wants_remote_prefill(request: RoutedRequest, decode: Decision, max_local_prefill_tokens: int) -> str | None:
     """None where the decode replica should get the prompt from a prefill replica; else why it prefills it
     itself ("short": few tokens to compute there; "batch": several prompts, one handoff each is not the
-    protocol's; a prompt the router could not tokenize counts as short, its cost unknown)."""
+    protocol's; "beam_search": a replica hands off only a sampled request's prompt; a prompt the router
+    could not tokenize counts as short, its cost unknown)."""
     if len(request.prompts) != 1:
         return "batch" if request.prompts else "short"
+    if request.body.get("use_beam_search"):
+        return "beam_search"
     if decode.uncached_tokens <= max_local_prefill_tokens:
         return "short"
     return None
