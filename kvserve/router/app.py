@@ -31,7 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvserve.kv_cache.block_keys import HASHED_IN
 from kvserve.logger import logger
-from kvserve.router.args import KV_OVERLAP_SCORE_WEIGHT
+from kvserve.router.args import KV_OVERLAP_SCORE_WEIGHT, MAX_LOCAL_PREFILL_TOKENS
 from kvserve.router.dashboard import router_state
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.policy import make_policy
@@ -78,6 +78,9 @@ class RouterSettings:
     max_request_body_size: int = 4 * 2**20
     tokenizer_dir: str | None = None  # default: the replicas' tokenizer_dir
     prefill_weight: float = KV_OVERLAP_SCORE_WEIGHT
+    # each replica's role from the command line (--prefill, --decode), None where it reports its own
+    roles: list[str | None] | None = None
+    max_local_prefill_tokens: int = MAX_LOCAL_PREFILL_TOKENS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterSettings:
@@ -91,8 +94,16 @@ class RouterSettings:
             keys, probe = ApiKeys({}), None
         secret = args.cache_secret.encode() if args.cache_secret else None
         make_policy(args.policy, args.kv_overlap_score_weight)  # checked before anything starts
+        # indexes (logs, metrics, x-kvserve-replica) follow this order: --replica, --prefill, --decode
+        urls = [*args.replica, *args.prefill, *args.decode]
+        roles: list[str | None] = [None] * len(args.replica)
+        roles += ["prefill"] * len(args.prefill) + ["decode"] * len(args.decode)
+        if not args.replica and not args.decode:
+            raise ValueError("give at least one --replica or --decode: prefill replicas answer no client")
+        if args.max_local_prefill_tokens < 0:
+            raise ValueError(f"--max-local-prefill-tokens must be >= 0, got {args.max_local_prefill_tokens}")
         return cls(
-            args.replica,
+            urls,
             args.policy,
             keys,
             probe,
@@ -102,6 +113,8 @@ class RouterSettings:
             args.max_request_body_size,
             args.tokenizer,
             args.kv_overlap_score_weight,
+            roles,
+            args.max_local_prefill_tokens,
         )
 
 
@@ -138,13 +151,20 @@ class Router:
         # without the replicas' secret a random one still keys the router's own record consistently
         self.secret = settings.cache_secret or secrets.token_bytes(32)
         subscribe = _subscribe if settings.cache_secret is not None else None
-        self.replicas = ReplicaSet(settings.replicas, self.client, subscribe, settings.health_interval)
+        self.replicas = ReplicaSet(settings.replicas, self.client, subscribe, settings.health_interval, settings.roles)
         self.replicas.listeners.append(self.metrics.replica_state)
         self.replicas.on_discovered.append(self._discovered)
         self.tokenization = Tokenization(remote=self._remote_tokenize, on_fallback=self.metrics.tokenize_fallbacks.inc)
         self._tokenizer_lock = asyncio.Lock()
         policy = make_policy(settings.policy, settings.prefill_weight)
-        self.proxy = Proxy(self.replicas, policy, self.metrics, self.secret, settings.request_timeout)
+        self.proxy = Proxy(
+            self.replicas,
+            policy,
+            self.metrics,
+            self.secret,
+            settings.request_timeout,
+            max_local_prefill_tokens=settings.max_local_prefill_tokens,
+        )
 
     async def start(self) -> None:
         await self.proxy.start()
@@ -253,6 +273,8 @@ async def _json_body(raw_request: Request) -> dict[str, Any]:
 async def _generate(kind: Kind, raw_request: Request, tenant: str) -> Response:
     router: Router = raw_request.app.state.router
     body = await _json_body(raw_request)
+    # the router's to set (P/D): a client's own would point a decode replica at blocks of its choosing
+    body.pop("kv_transfer_params", None)
     request = await router.prepare(kind, body, tenant, raw_request.headers.get("authorization"))
     return await router.proxy.forward(request)
 

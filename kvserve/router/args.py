@@ -14,15 +14,44 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin")
 # for its cache still loses the next request.
 KV_OVERLAP_SCORE_WEIGHT = 16.0
 HEALTH_INTERVAL = 0.5  # seconds between checks: a dead replica is noticed within ~1 s, well inside 2 s
+# P/D: a decode replica prefills a request itself when it would compute at most this many prompt
+# tokens (a warm turn: the transfer's round trips cost more than the prefill); more goes to a
+# prefill replica first (Dynamo's and llm-d's conditional disaggregation).
+MAX_LOCAL_PREFILL_TOKENS = 512
+ROLES = ("prefill", "decode", "both")
 
 
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replica",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
-        help="a replica's base URL, e.g. http://host:8001 (repeat for each); all serve the same model",
+        help="a replica's base URL, e.g. http://host:8001 (repeat for each); all serve the same model; its "
+        "role is the one its /server_info reports ('both' where it reports none)",
+    )
+    parser.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill replica (`kvserve serve --role prefill`): computes long uncached prompts and hands "
+        "their KV to a decode replica (repeat for each)",
+    )
+    parser.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode replica (`kvserve serve --role decode`): serves requests, its prompt's KV computed "
+        "by a prefill replica when long and uncached there (repeat for each)",
+    )
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=MAX_LOCAL_PREFILL_TOKENS,
+        help="P/D: a decode replica that would compute at most this many prompt tokens (the rest cached "
+        "there) prefills the request itself; more goes to a prefill replica first",
     )
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
     parser.add_argument(

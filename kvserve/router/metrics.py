@@ -53,6 +53,26 @@ class RouterMetrics:
         self.migrations = Counter(
             "kvserve:router_migrations", "Streams cut mid-way and continued on another replica.", ["result"], registry=r
         )
+        self.remote_prefills = Counter(
+            "kvserve:router_remote_prefills",
+            "Requests whose prompt a prefill replica computed and handed to their decode replica (P/D).",
+            ["replica"],
+            registry=r,
+        )
+        self.local_prefills = Counter(
+            "kvserve:router_local_prefills",
+            "Requests whose replica computed their prompt itself: short (few tokens uncached there), "
+            "batch (several prompts), beam_search, no_prefill_replica (none healthy and free), "
+            "fallback (a remote prefill failed).",
+            ["reason"],
+            registry=r,
+        )
+        self.prefill_fallbacks = Counter(
+            "kvserve:router_prefill_fallbacks",
+            "Remote prefills given up for a local one, by why the last prefill replica tried failed.",
+            ["reason"],
+            registry=r,
+        )
         self.state_changes = Counter(
             "kvserve:router_replica_state_changes", "Replica state changes.", ["replica", "state"], registry=r
         )

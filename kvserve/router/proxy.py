@@ -11,11 +11,17 @@ Requests and streams go through aiohttp, whose HTTP parser is in C: relaying a s
 costs a parse of every token's chunk, and httpx's pure-Python one took ~3.5x the CPU
 (177 against 49 us a chunk). The replicas' control plane (health, /server_info, /load,
 /tokenize) stays on httpx (`replicas.py`, `app.py`).
+
+With prefill replicas (P/D, `pd.py`), the decode replica is chosen first; a long uncached prompt
+is then computed on a prefill replica (`_handoff`: retried on another one, else given up for a
+local prefill) and the decode replica gets the request with the handoff's `kv_transfer_params`.
+Its retries reuse the same handoff: any decode replica can pull the blocks while the lease holds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -27,8 +33,11 @@ from fastapi import Response
 from starlette.types import Receive, Scope, Send
 
 from kvserve.logger import logger
+from kvserve.router.args import MAX_LOCAL_PREFILL_TOKENS
+from kvserve.router.index import usable_blocks
 from kvserve.router.metrics import RouterMetrics
 from kvserve.router.migration import StreamCut, StreamProgress, upstream_body
+from kvserve.router.pd import LOCAL, Handoff, handoff_params, prefill_body, wants_remote_prefill
 from kvserve.router.policy import Decision, Policy
 from kvserve.router.replicas import Flight, Replica, ReplicaSet
 from kvserve.router.request import RoutedRequest, block_keys, client_salt
@@ -139,10 +148,12 @@ class Proxy:
         secret: bytes,
         request_timeout: float,
         tokenizer: RouterTokenizer | None = None,
+        max_local_prefill_tokens: int = MAX_LOCAL_PREFILL_TOKENS,
     ):
         self.replicas, self.policy, self.metrics = replicas, policy, metrics
         self.secret = secret
         self.request_timeout = request_timeout
+        self.max_local_prefill_tokens = max_local_prefill_tokens
         self.tokenizer = tokenizer  # set once discovered; decodes a migrated stream's tokens
         self.session: aiohttp.ClientSession | None = None  # made by start(), in the event loop
 
@@ -176,10 +187,14 @@ class Proxy:
     async def _complete(self, request: RoutedRequest) -> Response:
         exclude: set[int] = set()
         last: Reply | None = None
+        handoff: Handoff | None = None
         while (decision := self.choose(request, exclude)) is not None:
             r = decision.replica
+            if handoff is None:
+                handoff = await self._handoff(request, decision)
+            decision = _decoding(decision, request, handoff)
             try:
-                response = await self._post(decision, request)
+                response = await self._post(decision, request, handoff.apply(request.body))
             except Retry as e:
                 exclude.add(r.index)
                 last = e.response or last
@@ -191,10 +206,10 @@ class Proxy:
             return _passed_on(response, decision)
         return _passed_on(last, None) if last is not None else _unavailable()
 
-    async def _post(self, decision: Decision, request: RoutedRequest) -> Reply:
+    async def _post(self, decision: Decision, request: RoutedRequest, body: dict[str, Any]) -> Reply:
         r = decision.replica
         flight = self._start_flight(decision, request)
-        task = asyncio.ensure_future(self._fetch(f"{r.url}{PATHS[request.kind]}", request.body, _headers(request)))
+        task = asyncio.ensure_future(self._fetch(f"{r.url}{PATHS[request.kind]}", body, _headers(request)))
         flight.abort = task.cancel
         try:
             await asyncio.wait({task})
@@ -232,6 +247,51 @@ class Proxy:
             return Retry("connection")
         return Retry("timeout")
 
+    # prefill/decode disaggregation
+
+    async def _handoff(self, request: RoutedRequest, decode: Decision) -> Handoff:
+        """The prompt's KV from a prefill replica for `decode`, or LOCAL: the decode replica computes it."""
+        reason = wants_remote_prefill(request, decode, self.max_local_prefill_tokens)
+        if reason is not None:
+            self.metrics.local_prefills.labels(reason).inc()
+            return LOCAL
+        body = prefill_body(request)
+        exclude: set[int] = set()
+        failure = None
+        while candidates := self.replicas.prefill_candidates(exclude):
+            started = time.perf_counter()
+            prefill = self.policy.choose(request, candidates)
+            self.metrics.decision_seconds.observe(time.perf_counter() - started)
+            assert prefill is not None
+            try:
+                reply = await self._post(prefill, request, body)
+            except Retry as e:  # refused, reset, 5xx, 429, timeout, found dead: the next prefill replica
+                exclude.add(prefill.replica.index)
+                failure = e.reason
+                self.metrics.retries.labels(e.reason).inc()
+                continue
+            except Refused as e:  # the client's error: the decode replica answers it as its own
+                failure = f"http_{e.response.status}"
+                break
+            try:
+                answer = json.loads(reply.body)
+            except ValueError:
+                answer = None
+            params = handoff_params(answer)
+            if params is None:  # it could not hold the blocks
+                failure = "no_handoff"
+                break
+            self._record_usage(prefill, request, answer.get("usage"))
+            self.metrics.remote_prefills.labels(prefill.replica.url).inc()
+            return Handoff(params, prefill)
+        if failure is None:
+            self.metrics.local_prefills.labels("no_prefill_replica").inc()
+        else:
+            logger.warning("router: remote prefill failed (%s): the decode replica prefills itself", failure)
+            self.metrics.prefill_fallbacks.labels(failure).inc()
+            self.metrics.local_prefills.labels("fallback").inc()
+        return LOCAL
+
     # streams
 
     async def _stream(self, request: RoutedRequest) -> Response:
@@ -239,9 +299,13 @@ class Proxy:
         body = upstream_body(request)
         exclude: set[int] = set()
         last: Reply | None = None
+        handoff: Handoff | None = None
         while (decision := self.choose(request, exclude)) is not None:
+            if handoff is None:
+                handoff = await self._handoff(request, decision)
+            decision = _decoding(decision, request, handoff)
             try:
-                upstream, first = await self._open(decision, request, PATHS[request.kind], body)
+                upstream, first = await self._open(decision, request, PATHS[request.kind], handoff.apply(body))
             except Retry as e:
                 exclude.add(decision.replica.index)
                 last = e.response or last
@@ -407,6 +471,17 @@ class Proxy:
     def _block_size(self) -> int:
         info = self.replicas.info()
         return info.block_size if info else 1
+
+
+def _decoding(decision: Decision, request: RoutedRequest, handoff: Handoff) -> Decision:
+    """The decode replica's decision once the prompt's way there is known. Handed off, it has no prefill to
+    queue (only the last token, recomputed) and finds every whole block but the last token's cached (pulled
+    into its handoff tier, which its prefix lookup reads first)."""
+    if handoff.params is None:
+        return decision
+    bs = decision.replica.info.block_size if decision.replica.info else 1
+    cached = sum(usable_blocks(len(p), bs) * bs for p in request.prompts)
+    return dataclasses.replace(decision, predicted_cached_tokens=cached, uncached_tokens=0)
 
 
 def refused_or_reset(error: Exception) -> bool:

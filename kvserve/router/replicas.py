@@ -13,6 +13,11 @@ its index is dropped and its requests in flight are cut (the proxy retries or mi
 them); it is checked on, and once it answers again it is discovered and indexed from
 scratch. Load comes from the router's own requests in flight and from the replica's
 `GET /load` (read every LOAD_EVERY checks).
+
+Roles (P/D disaggregation): a replica given as --prefill or --decode has that role; one given
+as --replica has the role its /server_info reports ("both" where it reports none, as a replica
+from before roles does). Requests are served by decode and both replicas (migrations too);
+prefill replicas only compute prompts handed to a decode replica (`proxy.py`).
 """
 
 from __future__ import annotations
@@ -38,6 +43,13 @@ HEALTH_TIMEOUT = 0.5  # seconds: a frozen replica is out within interval + 2 tim
 LOAD_EVERY = 2  # read /load every this many checks (once a second)
 # events expected (a request stored new blocks) and none came for this long: the index is stale
 EVENTS_STALE_AFTER = 3.0
+SERVING_ROLES = ("decode", "both")  # the roles that answer a client's request themselves
+# A prefill replica with more requests than this waiting (its /load, or the router's own prefills
+# sent it and not yet answered less the one it computes, whichever is more) is backed up: a long
+# prompt queued behind two others waits for their whole prefills, longer than a decode replica
+# takes to compute it itself, so the request prefills locally instead (Dynamo's and llm-d's queue
+# check before a remote prefill).
+PREFILL_QUEUE_LIMIT = 2
 
 
 class State(StrEnum):
@@ -65,6 +77,7 @@ class ServerInfo:
     max_model_len: int
     kv_events: EventsInfo | None
     api_keys_required: bool
+    role: str = "both"  # what it reported; a replica from before roles reports none
 
     @classmethod
     def from_json(cls, data: dict[str, Any], replica_url: str) -> ServerInfo:
@@ -84,6 +97,7 @@ class ServerInfo:
                 events.get("topic", ""),
             ),
             api_keys_required=bool(data.get("api_keys_required", False)),
+            role=str(data.get("role") or "both"),
         )
 
 
@@ -133,6 +147,24 @@ class Replica:
     events_lost: int = 0  # the subscriber's missed_batches when last looked at
     refused: bool = False  # it refused or reset a connection since it was last discovered
     events_stale: bool = False
+    configured_role: str | None = None  # from --prefill / --decode; None: from --replica, as reported
+
+    @property
+    def role(self) -> str:
+        if self.configured_role is not None:
+            return self.configured_role
+        return self.info.role if self.info is not None else "both"
+
+    @property
+    def serves(self) -> bool:
+        """It answers a client's request itself (a prefill replica only computes prompts for others)."""
+        return self.role in SERVING_ROLES
+
+    def backed_up(self) -> bool:
+        """A prefill replica with more than PREFILL_QUEUE_LIMIT requests waiting."""
+        # the router's own prefills there count too (its /load is up to a second old), less the one computing
+        waiting = max(self.load.waiting, len(self.flights) - 1)
+        return waiting > PREFILL_QUEUE_LIMIT
 
     @property
     def routable(self) -> bool:
@@ -205,6 +237,7 @@ class Replica:
         return {
             "index": self.index,
             "url": self.url,
+            "role": self.role,
             "state": self.state.value,
             "model": self.info.served_model_name if self.info else None,
             "in_flight": len(self.flights),
@@ -228,8 +261,12 @@ class ReplicaSet:
         client: httpx.AsyncClient,
         subscribe: Subscribe | None,
         interval: float = HEALTH_INTERVAL,
+        roles: list[str | None] | None = None,
     ):
-        self.replicas = [Replica(i, url.rstrip("/")) for i, url in enumerate(urls)]
+        """`roles[i]`: replica i's role from the command line, None where its /server_info decides."""
+        roles = roles or [None] * len(urls)
+        pairs = zip(urls, roles, strict=True)
+        self.replicas = [Replica(i, url.rstrip("/"), configured_role=role) for i, (url, role) in enumerate(pairs)]
         self.client = client
         self.subscribe = subscribe  # None: the router cannot read events (no shared cache secret)
         self.interval = interval
@@ -242,12 +279,20 @@ class ReplicaSet:
         return [r for r in self.replicas if r.routable]
 
     def candidates(self, exclude: set[int]) -> list[Replica]:
-        """Where a request may go: the routable replicas; if none, those dead of timeouts alone (they may only
-        have been slow to answer an overloaded router), never one that refused a connection."""
-        routable = [r for r in self.routable() if r.index not in exclude]
-        if routable or any(r.routable for r in self.replicas):
+        """Where a request may go: the routable replicas that serve (decode, both); if none, those dead of
+        timeouts alone (they may only have been slow to answer an overloaded router), never one that refused
+        a connection."""
+        serving = [r for r in self.replicas if r.serves]
+        routable = [r for r in serving if r.routable and r.index not in exclude]
+        if routable or any(r.routable for r in serving):
             return routable
-        return [r for r in self.replicas if r.info is not None and not r.refused and r.index not in exclude]
+        return [r for r in serving if r.info is not None and not r.refused and r.index not in exclude]
+
+    def prefill_candidates(self, exclude: set[int]) -> list[Replica]:
+        """Where a prompt may be prefilled for a decode replica: healthy prefill replicas not backed up
+        (no panic mode here: without one the decode replica prefills itself)."""
+        prefill = [r for r in self.replicas if r.role == "prefill" and r.routable and r.index not in exclude]
+        return [r for r in prefill if not r.backed_up()]
 
     def info(self) -> ServerInfo | None:
         return next((r.info for r in self.replicas if r.info is not None and r.routable), None) or next(
@@ -316,6 +361,14 @@ class ReplicaSet:
         if reason:
             logger.error("router: replica %s left out: %s", r.url, reason)
             return
+        if r.configured_role is not None and info.role != r.configured_role:
+            logger.warning(
+                "router: replica %s given as %s reports role %r: routing it as %s",
+                r.url,
+                r.configured_role,
+                info.role,
+                r.configured_role,
+            )
         self._unsubscribe(r)
         r.info, r.failures, r.refused = info, 0, False
         r.events, r.sent = BlockIndex(), SentBlocks(info.num_kv_blocks)
