@@ -188,7 +188,7 @@ class AsyncLLMEngine:
     def release_kv(self, owner: str) -> None:
         self._commands.put(_ReleaseKV(owner))
 
-    def import_kv(self, block_keys: list[bytes], records: list[bytes]) -> int:
+    def import_kv(self, block_keys: list[bytes], records: list[memoryview]) -> int:
         """Blocks pulled from a prefill replica, checked, for this replica's next lookup of their
         prefix; returns how many of them, from the first, were sound (thread-safe)."""
         store, ns = self.engine.store, self.engine.namespace

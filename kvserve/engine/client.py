@@ -109,7 +109,7 @@ class EngineClient(Protocol):
     def release_kv(self, owner: str) -> None:
         """A prefill replica: the decode side gave up on request `owner`'s blocks."""
 
-    def import_kv(self, block_keys: list[bytes], records: list[bytes]) -> int:
+    def import_kv(self, block_keys: list[bytes], records: list[memoryview]) -> int:
         """A decode replica: records pulled from a prefill replica, for the next lookup of their
         prefix; returns how many, from the first, were sound."""
 
