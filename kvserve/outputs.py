@@ -47,6 +47,8 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # vLLM's: None for the first prompt token, then each one's logprob with the top k, when asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

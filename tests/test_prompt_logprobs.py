@@ -1,0 +1,74 @@
+"""Prompt logprobs (vLLM's `SamplingParams.prompt_logprobs`, the API's `echo` with `logprobs`)
+against transformers' log_softmax on the same tiny random-weight Llama, in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kvserve import LLM, SamplingParams
+
+TOL = 1e-4  # nats; fp32 logits of the tiny model agree to ~1e-5
+
+
+@pytest.fixture(scope="module")
+def hf_tiny(tiny_model_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
+    """Row p: the log_softmax of position p's logits, which score token p + 1."""
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([token_ids])).logits[0].float(), dim=-1)
+
+
+def check_prompt_logprobs(entries, token_ids: list[int], ref: torch.Tensor, k: int) -> None:
+    """Each later token's entry: the actual token and the top k, logprobs within TOL, ranks up
+    to the ties TOL allows (a random model's distribution is nearly flat)."""
+    assert len(entries) == len(token_ids) and entries[0] is None
+    for p, entry in enumerate(entries[1:]):
+        row, actual = ref[p], token_ids[p + 1]
+        chosen = entry[actual]
+        assert abs(chosen.logprob - row[actual].item()) <= TOL
+        assert int((row > row[actual] + TOL).sum()) + 1 <= chosen.rank <= int((row > row[actual] - TOL).sum()) + 1
+        tops = sorted((lp for t, lp in entry.items() if lp.rank <= k), key=lambda lp: lp.rank)
+        assert [lp.rank for lp in tops] == list(range(1, k + 1))
+        assert len(entry) in (k, k + 1)
+        want = row.topk(k).values if k else torch.zeros(0)
+        assert torch.allclose(torch.tensor([lp.logprob for lp in tops]), want, atol=TOL, rtol=0)
+        for t, lp in entry.items():
+            assert abs(lp.logprob - row[t].item()) <= TOL and lp.decoded_token is not None
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_prompt_logprobs_match_transformers(tiny_model_dir, hf_tiny, k):
+    # max_num_batched_tokens 64: the 150-token prompt is prefilled in three chunks
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64)
+    prompts = [random_prompt(150, 1), random_prompt(20, 2)]
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=k)
+    for ids, out in zip(prompts, llm.generate(prompts, sp, use_tqdm=False), strict=True):
+        check_prompt_logprobs(out.prompt_logprobs, ids, hf_logprobs(hf_tiny, ids), k)
+
+
+def test_prompt_logprobs_ignore_a_cached_prefix(tiny_model_dir, hf_tiny):
+    """A prefix-cache hit would skip positions: the request computes its whole prompt instead."""
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=64)
+    ids = random_prompt(70, 3)
+    llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)  # caches its blocks
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert out.num_cached_tokens == 0
+    check_prompt_logprobs(out.prompt_logprobs, ids, hf_logprobs(hf_tiny, ids), 1)
+    again = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
+
+
+def test_prompt_logprobs_is_checked():
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21)
