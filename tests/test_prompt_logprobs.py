@@ -3,6 +3,9 @@ against transformers' log_softmax on the same tiny random-weight Llama, in float
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -72,3 +75,74 @@ def test_prompt_logprobs_is_checked():
         SamplingParams(prompt_logprobs=-1)
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=21)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    from test_server_common import TINY_ARGS, ServerThread
+
+    with ServerThread(tiny_model_dir, *TINY_ARGS, "--max-num-batched-tokens", "64") as s:
+        yield s
+
+
+def completion(server, **body) -> dict:
+    r = httpx.post(f"{server.url}/v1/completions", json={"temperature": 0, **body}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def check_echo_logprobs(lp: dict, prompt: list[int], ref: torch.Tensor, k: int) -> None:
+    """The prompt's part of an echoed `logprobs` object, in OpenAI's legacy completions shape."""
+    n = len(prompt)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    offsets = [0]
+    for token in lp["tokens"][: n - 1]:
+        offsets.append(offsets[-1] + len(token))
+    assert lp["text_offset"][:n] == offsets
+    got = torch.tensor(lp["token_logprobs"][1:n])
+    want = ref[torch.arange(n - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(got, want, atol=TOL, rtol=0)
+    for p, top in enumerate(lp["top_logprobs"][1:n]):
+        assert len(top) in (k, k + 1)  # the actual token and the top k (strings may collide)
+        assert max(top.values()) == pytest.approx(ref[p].max().item(), abs=TOL)
+
+
+def test_echo_logprobs_match_transformers(server, hf_tiny):
+    """A prompt longer than a chunk, then generated tokens after it (their offsets continue)."""
+    prompt = random_prompt(100, 4)
+    body = completion(server, prompt=prompt, echo=True, logprobs=2, max_tokens=3)
+    (choice,) = body["choices"]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 3 == len(lp["text_offset"]) == len(lp["top_logprobs"])
+    check_echo_logprobs(lp, prompt, hf_logprobs(hf_tiny, prompt), 2)
+    assert lp["text_offset"][len(prompt)] == sum(len(t) for t in lp["tokens"][: len(prompt)])
+    generated = completion(server, prompt=prompt, logprobs=2, max_tokens=3)["choices"][0]
+    assert lp["tokens"][len(prompt) :] == generated["logprobs"]["tokens"]
+    assert choice["text"].endswith(generated["text"]) and choice["text"] != generated["text"]
+
+
+def test_echo_with_no_tokens_is_a_loglikelihood(server, hf_tiny):
+    """What lm-evaluation-harness's local-completions sends: echo, logprobs, max_tokens 0."""
+    prompt = random_prompt(30, 5)
+    body = completion(server, prompt=prompt, echo=True, logprobs=1, max_tokens=0)
+    (choice,) = body["choices"]
+    assert len(choice["logprobs"]["tokens"]) == len(prompt)
+    check_echo_logprobs(choice["logprobs"], prompt, hf_logprobs(hf_tiny, prompt), 1)
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(prompt)
+    text = httpx.post(f"{server.url}/detokenize", json={"tokens": prompt}).json()["prompt"]
+    assert choice["text"] == text
+
+
+def test_streamed_echo_logprobs_are_the_whole_ones(server):
+    prompt = random_prompt(40, 6)
+    whole = completion(server, prompt=prompt, echo=True, logprobs=1, max_tokens=4)["choices"][0]["logprobs"]
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 4, "temperature": 0, "stream": True},
+        timeout=60,
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    parts = [e["choices"][0]["logprobs"] for e in events if e["choices"]]
+    joined = {key: [v for part in parts for v in part[key]] for key in whole}
+    assert joined == whole
