@@ -1,0 +1,105 @@
+"""`kv_cache_dtype` (`--kv-cache-dtype`): how K/V are stored, apart from the compute dtype.
+
+auto is bfloat16 wherever the attention path reads it under the compute dtype and float32
+under `--dtype float32`; a K/V dtype the kernels cannot read runs on the PyTorch path, which
+casts. Greedy outputs do not depend on where a prefix came from (same KV dtype), and a tier
+record of one KV dtype is a miss for another.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvserve import LLM, SamplingParams
+from kvserve.config import EngineConfig
+from kvserve.engine_args import engine_config
+from kvserve.entrypoints.cli import build_parser
+from kvserve.kernels.build import available
+from kvserve.layers.attention.backend import TorchAttention
+from kvserve.platforms import cpu_has_native_bf16, get_platform, resolve_kv_dtype
+from kvserve.platforms.cpu import CpuPlatform
+
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def prompt(seed: int, n: int = 100) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+def run(llm: LLM, prompts: list[list[int]]) -> list:
+    return llm.generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_by_name():
+    with pytest.raises(ValueError, match="kv_cache_dtype.*'int4'"):
+        EngineConfig(kv_cache_dtype="int4")
+
+
+def test_the_flag_sets_the_field():
+    args = build_parser().parse_args(["serve", "--kv-cache-dtype", "bfloat16"])
+    assert engine_config(args).kv_cache_dtype == "bfloat16"
+    assert engine_config(build_parser().parse_args(["serve"])).kv_cache_dtype == "auto"
+
+
+def test_auto_resolution():
+    assert get_platform("cpu", "float32").kv_dtype == torch.float32  # a reference run
+    assert get_platform("cpu", "bfloat16").kv_dtype == torch.bfloat16
+    if cpu_has_native_bf16():
+        assert get_platform("cpu", "auto").kv_dtype == torch.bfloat16
+    # fp32 compute under auto (an AVX2 CPU): bf16 only where the attention path reads it
+    fp32 = CpuPlatform(torch.device("cpu"), torch.float32)
+    assert resolve_kv_dtype("auto", "auto", fp32) == (torch.float32 if available() else torch.bfloat16)
+
+
+@pytest.mark.parametrize(("dtype", "kv"), [("float32", "bfloat16"), ("bfloat16", "float32")])
+def test_a_kv_dtype_the_kernels_cannot_read_falls_back_to_the_pytorch_path(dtype, kv):
+    platform = get_platform("cpu", dtype, kv)
+    assert platform.kv_dtype == getattr(torch, kv)
+    assert isinstance(platform.attention_backend(64), TorchAttention)
+
+
+def bf16_kv_engine(model_dir: Path, dtype: str, **kwargs) -> LLM:
+    return LLM(model=str(model_dir), dtype=dtype, kv_cache_dtype="bfloat16", block_size=BLOCK, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # the kernels; the PyTorch path, casting
+def test_bf16_kv_greedy_outputs_do_not_depend_on_a_prefix_hit(tiny_model_dir, dtype):
+    if dtype == "bfloat16" and not cpu_has_native_bf16():
+        pytest.skip("bf16 compute needs AVX512-BF16 or AMX")
+    llm = bf16_kv_engine(tiny_model_dir, dtype, num_kv_blocks=64)
+    cold = bf16_kv_engine(tiny_model_dir, dtype, num_kv_blocks=64, enable_prefix_caching=False)
+    first = prompt(1)
+    turn = first + prompt(2, 30)
+    (a,) = run(llm, [first])
+    (hit,) = run(llm, [turn])
+    (b,) = run(cold, [turn])
+    assert hit.num_cached_tokens == (len(first) - 1) // BLOCK * BLOCK and b.num_cached_tokens == 0
+    assert hit.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].token_ids == run(cold, [first])[0].outputs[0].token_ids
+
+
+def test_bf16_kv_holds_twice_the_tokens_of_fp32(tiny_model_dir):
+    fp32 = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="1MiB").llm_engine
+    bf16 = bf16_kv_engine(tiny_model_dir, "float32", kv_cache_memory="1MiB").llm_engine
+    assert bf16.kv_bytes_per_token * 2 == fp32.kv_bytes_per_token
+    assert bf16.kv.pool.num_blocks == 2 * fp32.kv.pool.num_blocks
+    assert bf16.runner.kv_caches[0].dtype == torch.bfloat16
+
+
+def test_a_tier_record_of_one_kv_dtype_is_a_miss_for_another(tiny_model_dir, tmp_path):
+    kv = {"kv_disk_dir": str(tmp_path / "kv"), "kv_disk_size": "64MiB", "num_kv_blocks": 16, "block_size": BLOCK}
+    first = LLM(model=str(tiny_model_dir), dtype="float32", **kv)
+    run(first, [prompt(3)])
+    first.llm_engine.shutdown()  # write-back: what the pool caches goes to disk
+    other = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_dtype="bfloat16", **kv)
+    (miss,) = run(other, [prompt(3)])
+    assert miss.num_cached_tokens == 0 and other.llm_engine.store.use["disk"].served == 0
+    same = LLM(model=str(tiny_model_dir), dtype="float32", **kv)  # the first's KV dtype: a hit
+    (hit,) = run(same, [prompt(3)])
+    assert hit.num_cached_tokens > 0 and same.llm_engine.store.use["disk"].served > 0
