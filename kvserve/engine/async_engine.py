@@ -254,7 +254,16 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
     if pub is not None:
         events = KVEventsInfo(pub.endpoint, pub.replay_endpoint, pub.topic, cfg.kv_events_token_ids)
     tiers = tuple(t.name for t in engine.store.tiers) if engine.store is not None else ()
-    return ReplicaInfo(str(engine.model_dir), engine.kv.block_size, engine.kv.pool.num_blocks, tiers, events)
+    kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+    return ReplicaInfo(
+        str(engine.model_dir),
+        engine.kv.block_size,
+        engine.kv.pool.num_blocks,
+        tiers,
+        events,
+        kv_dtype,
+        engine.kv_bytes_per_token,
+    )
 
 
 def _put_all(deliveries: list[tuple[asyncio.Queue[RequestOutput | BaseException], RequestOutput]]) -> None:

@@ -53,6 +53,8 @@ class ReplicaInfo:
     num_kv_blocks: int
     kv_tiers: tuple[str, ...]  # below the device pool, in order: "host", "disk", "redis"
     kv_events: KVEventsInfo | None
+    kv_cache_dtype: str = "float32"  # how K/V are stored: "float32", "bfloat16"
+    kv_bytes_per_token: int = 0  # K and V of every layer, as stored
 
     @property
     def kv_capacity_tokens(self) -> int:
