@@ -57,6 +57,16 @@ def test_auto_resolution():
     assert resolve_kv_dtype("auto", "auto", fp32) == (torch.float32 if available() else torch.bfloat16)
 
 
+def test_auto_on_a_cpu_without_bf16_arithmetic(monkeypatch):
+    """An AVX2-only CPU computes in fp32 on the kernels, which read fp32 K/V alone."""
+    monkeypatch.setattr("kvserve.platforms.cpu_has_native_bf16", lambda: False)
+    platform = get_platform("cpu", "auto")
+    assert platform.dtype == torch.float32
+    assert platform.kv_dtype == (torch.float32 if available() else torch.bfloat16)
+    if available():
+        assert not isinstance(platform.attention_backend(64), TorchAttention)
+
+
 @pytest.mark.parametrize(("dtype", "kv"), [("float32", "bfloat16"), ("bfloat16", "float32")])
 def test_a_kv_dtype_the_kernels_cannot_read_falls_back_to_the_pytorch_path(dtype, kv):
     platform = get_platform("cpu", dtype, kv)

@@ -70,6 +70,19 @@ def test_prompt_logprobs_ignore_a_cached_prefix(tiny_model_dir, hf_tiny):
     assert again.num_cached_tokens > 0 and again.prompt_logprobs is None
 
 
+def test_prompt_logprobs_with_n_samples_and_under_preemption(tiny_model_dir, hf_tiny):
+    """n > 1 reports the prompt's logprobs once; a request preempted mid-prompt and recomputed
+    scores each position once (8 blocks: the three prompts cannot all fit)."""
+    llm = LLM(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=8, max_num_batched_tokens=32)
+    prompts = [random_prompt(40, 10 + i) for i in range(3)]
+    sp = SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=24, ignore_eos=True, prompt_logprobs=2)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    assert llm.llm_engine.scheduler.num_preemptions > 0
+    for ids, out in zip(prompts, outs, strict=True):
+        assert len(out.outputs) == 2
+        check_prompt_logprobs(out.prompt_logprobs, ids, hf_logprobs(hf_tiny, ids), 2)
+
+
 def test_prompt_logprobs_is_checked():
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=-1)
