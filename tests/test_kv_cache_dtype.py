@@ -8,6 +8,7 @@ record of one KV dtype is a miss for another.
 
 from __future__ import annotations
 
+import logging
 import random
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import torch
 
 from kvserve import LLM, SamplingParams
 from kvserve.config import EngineConfig
+from kvserve.engine.async_engine import replica_info
 from kvserve.engine_args import engine_config
 from kvserve.entrypoints.cli import build_parser
 from kvserve.kernels.build import available
@@ -94,12 +96,24 @@ def test_bf16_kv_greedy_outputs_do_not_depend_on_a_prefix_hit(tiny_model_dir, dt
     assert a.outputs[0].token_ids == run(cold, [first])[0].outputs[0].token_ids
 
 
-def test_bf16_kv_holds_twice_the_tokens_of_fp32(tiny_model_dir):
+def test_bf16_kv_holds_twice_the_tokens_of_fp32_and_says_so(tiny_model_dir, caplog):
     fp32 = LLM(model=str(tiny_model_dir), dtype="float32", kv_cache_memory="1MiB").llm_engine
-    bf16 = bf16_kv_engine(tiny_model_dir, "float32", kv_cache_memory="1MiB").llm_engine
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        bf16 = bf16_kv_engine(tiny_model_dir, "float32", kv_cache_memory="1MiB").llm_engine
     assert bf16.kv_bytes_per_token * 2 == fp32.kv_bytes_per_token
     assert bf16.kv.pool.num_blocks == 2 * fp32.kv.pool.num_blocks
     assert bf16.runner.kv_caches[0].dtype == torch.bfloat16
+    tokens = bf16.kv.pool.num_blocks * BLOCK
+    line = f"= {tokens} tokens, {bf16.kv_bytes_per_token} bytes/token (KV dtype bfloat16, cpu; compute float32"
+    assert any(line in r.getMessage() for r in caplog.records), caplog.text
+    if available():  # the kernels read fp32 K/V only: the log says why attention runs on PyTorch
+        assert "attention runs on the PyTorch path" in caplog.text
+    info = replica_info(bf16)  # what /server_info reports
+    assert (info.kv_cache_dtype, info.kv_bytes_per_token, info.kv_capacity_tokens) == (
+        "bfloat16",
+        bf16.kv_bytes_per_token,
+        tokens,
+    )
 
 
 def test_a_tier_record_of_one_kv_dtype_is_a_miss_for_another(tiny_model_dir, tmp_path):
