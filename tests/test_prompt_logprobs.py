@@ -144,6 +144,8 @@ def test_echo_with_no_tokens_is_a_loglikelihood(server, hf_tiny):
     assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(prompt)
     text = httpx.post(f"{server.url}/detokenize", json={"tokens": prompt}).json()["prompt"]
     assert choice["text"] == text
+    plain = completion(server, prompt=prompt, echo=True, max_tokens=0)["choices"][0]  # no logprobs asked
+    assert plain["text"] == text and plain["logprobs"] is None
 
 
 def test_streamed_echo_logprobs_are_the_whole_ones(server):
