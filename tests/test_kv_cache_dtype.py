@@ -26,7 +26,7 @@ from kvserve.platforms import cpu_has_native_bf16, get_platform, resolve_kv_dtyp
 from kvserve.platforms.cpu import CpuPlatform
 
 BLOCK = 16
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
 
 
 def prompt(seed: int, n: int = 100) -> list[int]:
@@ -76,16 +76,20 @@ def test_a_kv_dtype_the_kernels_cannot_read_falls_back_to_the_pytorch_path(dtype
     assert isinstance(platform.attention_backend(64), TorchAttention)
 
 
-def bf16_kv_engine(model_dir: Path, dtype: str, **kwargs) -> LLM:
-    return LLM(model=str(model_dir), dtype=dtype, kv_cache_dtype="bfloat16", block_size=BLOCK, **kwargs)
+def bf16_kv_engine(model_dir: Path, dtype: str, kv: str = "bfloat16", **kwargs) -> LLM:
+    return LLM(model=str(model_dir), dtype=dtype, kv_cache_dtype=kv, block_size=BLOCK, **kwargs)
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])  # the kernels; the PyTorch path, casting
-def test_bf16_kv_greedy_outputs_do_not_depend_on_a_prefix_hit(tiny_model_dir, dtype):
+@pytest.mark.parametrize(
+    ("dtype", "kv"),
+    [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", "float32")],
+    ids=["bf16-kernels", "bf16-kv-fp32-compute", "fp32-kv-bf16-compute"],  # the last two: PyTorch, casting
+)
+def test_greedy_outputs_do_not_depend_on_a_prefix_hit(tiny_model_dir, dtype, kv):
     if dtype == "bfloat16" and not cpu_has_native_bf16():
         pytest.skip("bf16 compute needs AVX512-BF16 or AMX")
-    llm = bf16_kv_engine(tiny_model_dir, dtype, num_kv_blocks=64)
-    cold = bf16_kv_engine(tiny_model_dir, dtype, num_kv_blocks=64, enable_prefix_caching=False)
+    llm = bf16_kv_engine(tiny_model_dir, dtype, kv, num_kv_blocks=64)
+    cold = bf16_kv_engine(tiny_model_dir, dtype, kv, num_kv_blocks=64, enable_prefix_caching=False)
     first = prompt(1)
     turn = first + prompt(2, 30)
     (a,) = run(llm, [first])
@@ -94,6 +98,11 @@ def test_bf16_kv_greedy_outputs_do_not_depend_on_a_prefix_hit(tiny_model_dir, dt
     assert hit.num_cached_tokens == (len(first) - 1) // BLOCK * BLOCK and b.num_cached_tokens == 0
     assert hit.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].token_ids == run(cold, [first])[0].outputs[0].token_ids
+    # the same values, not only the same argmax: a cold prefill attends over its K/V as stored
+    # (without rounding them the PyTorch path's logprobs differed by ~3e-5)
+    assert [lp[t].logprob for lp, t in zip(hit.outputs[0].logprobs, hit.outputs[0].token_ids, strict=True)] == [
+        lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids, strict=True)
+    ]
 
 
 def test_bf16_kv_holds_twice_the_tokens_of_fp32_and_says_so(tiny_model_dir, caplog):
