@@ -12,6 +12,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 ROLES = ("both", "prefill", "decode")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # int8 comes later (issue #49)
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -34,6 +35,9 @@ def parse_memory(value: str | int, name: str = "kv_cache_memory") -> int:
 class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # bfloat16 where the hardware multiplies it natively, else float32 on bf16-rounded weights
+    # how K/V are stored; auto: bfloat16 wherever the attention kernels read it under the compute
+    # dtype, else the compute dtype, and float32 under --dtype float32 (a reference run)
+    kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16
     kv_cache_memory: str | int = "2GiB"
@@ -71,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if parse_memory(self.kv_cache_memory) <= 0:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}")
         if self.prefix_cache not in ("radix", "hash"):
             raise ValueError(f"prefix_cache must be 'radix' or 'hash', got {self.prefix_cache!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

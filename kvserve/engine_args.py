@@ -15,6 +15,8 @@ from kvserve.config import EngineConfig
 _ENGINE_HELP = {
     "model": "directory, .gguf file or short name (smollm2-135m, gemma3-270m)",
     "dtype": "auto | float32 | bfloat16",
+    "kv_cache_dtype": "auto | float32 | bfloat16: how K/V are stored (auto: bfloat16 where the attention "
+    "kernels read it, float32 under --dtype float32)",
     "device": "auto | cpu | cuda",
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",

@@ -50,6 +50,8 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     # a prefill replica's answer to do_remote_decode (vLLM's): where the decode side pulls the blocks
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: None for the first prompt token, then each one's logprob with the top k, when asked
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass

@@ -49,7 +49,9 @@ def rounded_model_dir(tiny_model_dir, tmp_path_factory):
 
 def outputs(model_dir, monkeypatch=None, platform=None) -> tuple[LLMEngine, dict[str, list[int]]]:
     if platform is not None:
-        monkeypatch.setattr("kvserve.engine.llm_engine.get_platform", lambda device, dtype: platform)
+        monkeypatch.setattr(
+            "kvserve.engine.llm_engine.get_platform", lambda device, dtype, kv_cache_dtype="auto": platform
+        )
     engine = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", num_kv_blocks=32, max_model_len=256))
     for i, p in enumerate(PROMPTS):
         engine.add_request(p, GREEDY, str(i))

@@ -295,9 +295,13 @@ def test_server_info_tells_a_router_what_it_needs(server, tiny_model_dir):
         "block_size": 8,
         "num_kv_blocks": info["num_kv_blocks"],
         "kv_capacity_tokens": info["num_kv_blocks"] * 8,
+        "kv_cache_dtype": "float32",  # --dtype float32: a reference run
+        "kv_bytes_per_token": 2 * 2 * 2 * 16 * 4,  # K and V, 2 layers, 2 KV heads of 16, fp32
         "max_model_len": 512,
         "kv_tiers": [],
         "api_keys_required": False,
+        "role": "both",  # prefill/decode disaggregation: a both replica prefills for others too
+        "kv_transfer_endpoint": f"{server.url}/kv_transfer/pull",
     }
     assert events["endpoint"].startswith("tcp://127.0.0.1:") and events["replay_endpoint"].startswith(
         "tcp://127.0.0.1:"

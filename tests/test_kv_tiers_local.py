@@ -171,6 +171,13 @@ def test_disk_index_is_rebuilt_on_restart(tmp_path: Path):
     assert not first.path(key(2)).exists() and not first.path(key(0)).exists()
 
 
+def test_a_namespace_without_a_compute_dtype_keeps_its_digest():
+    """compute_dtype is left out of the digest where unset (K/V computed in their own dtype): records stored
+    before the field existed keep their keys."""
+    digest = "8debd746"  # as main computed it before the field
+    assert NS.digest.hex()[:8] == digest, NS.digest.hex()
+
+
 @pytest.mark.parametrize(
     "other",
     [
@@ -178,6 +185,8 @@ def test_disk_index_is_rebuilt_on_restart(tmp_path: Path):
         Namespace("fp", "float16", 4, (2, 2, 4, 1, 16)),  # same bytes per block, another dtype
         Namespace("fp", "float32", 4, (2, 2, 4, 2, 4)),  # same bytes per block, another shape
         Namespace("fp", "float32", 4, (2, 2, 4, 1, 8), weight_dtype="bfloat16"),  # the weights rounded
+        Namespace("fp", "bfloat16", 4, (2, 2, 4, 2, 8)),  # the same block in bf16 K/V
+        Namespace("fp", "float32", 4, (2, 2, 4, 1, 8), compute_dtype="bfloat16"),  # K/V computed in bf16
     ],
 )
 def test_disk_of_another_namespace_sees_nothing(tmp_path: Path, other: Namespace):

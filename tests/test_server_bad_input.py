@@ -68,7 +68,8 @@ def post(server, path: str, body: object = None, content: bytes | None = None, h
         (COMPLETIONS, {"prompt": "x", "stop": [""]}, "stop.0"),
         (COMPLETIONS, {"prompt": "x", "stop": 5}, "stop"),
         (COMPLETIONS, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids.0"),
-        (COMPLETIONS, {"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0, "logprobs": 1}, "max_tokens"),  # 0 only with echo
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 0, "echo": True, "n": 2, "use_beam_search": True}, "max_tokens"),
         (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
         (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
         (COMPLETIONS, {"prompt": ""}, "prompt"),

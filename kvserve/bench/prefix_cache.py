@@ -403,7 +403,7 @@ def kv_bytes_per_token(config: EngineConfig, model_config) -> int:
 
     from kvserve.platforms import get_platform
 
-    dtype = get_platform(config.device, config.dtype).dtype
+    dtype = get_platform(config.device, config.dtype, config.kv_cache_dtype).kv_dtype
     return model_config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
 
 

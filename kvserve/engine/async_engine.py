@@ -328,6 +328,7 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
         events = KVEventsInfo(pub.endpoint, pub.replay_endpoint, pub.topic, cfg.kv_events_token_ids)
     tiers = tuple(t.name for t in engine.store.tiers if t.name != "handoff") if engine.store is not None else ()
     ns = engine.namespace
+    kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
     return ReplicaInfo(
         str(engine.model_dir),
         engine.kv.block_size,
@@ -337,6 +338,8 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
         cfg.role,
         uuid.uuid4().hex,
         header_size(ns) + ns.block_nbytes,
+        kv_dtype,
+        engine.kv_bytes_per_token,
     )
 
 

@@ -59,17 +59,18 @@ class LLMEngine:
         self.model_dir = model_dir.resolve()  # where the tokenizer came from (a router loads the same one)
         self.model_config = load_config(model_dir)
         self.tokenizer = load_tokenizer(model_dir)
-        platform = get_platform(config.device, config.dtype)
+        platform = get_platform(config.device, config.dtype, config.kv_cache_dtype)
         self.device, self.dtype, self.weight_dtype = platform.device, platform.dtype, platform.weight_dtype
+        self.kv_dtype = platform.kv_dtype
         model = load_model(model_dir, self.model_config, platform)
         self.kv_config = kv_cache_config(model, sliding_window_release=not config.disable_hybrid_kv_cache_manager)
         num_blocks = self._num_blocks()
-        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.dtype, self.device, self.kv_config)
+        kv_caches = allocate_kv_caches(model, num_blocks, config.block_size, self.kv_dtype, self.device, self.kv_config)
         slots = kv_slots(kv_caches)  # each tensor once: what a stored block holds
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
-        self.namespace = kv_namespace(model_dir, slots, self.weight_dtype, config.block_size)
+        self.namespace = kv_namespace(model_dir, slots, self.weight_dtype, config.block_size, self.dtype)
         handoff = num_blocks * self.namespace.block_nbytes if config.role == "decode" else 0
         try:
             self.store = (
@@ -102,9 +103,14 @@ class LLMEngine:
         self.check_invariants = check_invariants_enabled()
         self._step_out: SchedulerOutput | None = None  # the running step's, for _fail_step
 
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of every layer for one token, as stored."""
+        return self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.kv_dtype).element_size())
+
     def _num_blocks(self) -> int:
         cfg = self.config
-        per_token = self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.dtype).element_size())
+        per_token = self.kv_bytes_per_token
         per_layer = per_token // self.model_config.num_hidden_layers
         block_bytes = self.kv_config.block_bytes(per_layer, cfg.block_size)
         num_blocks = cfg.num_kv_blocks or parse_memory(cfg.kv_cache_memory) // block_bytes
@@ -113,14 +119,15 @@ class LLMEngine:
         if num_blocks < 1:
             raise ValueError(f"kv_cache_memory={cfg.kv_cache_memory!r} holds no block of {cfg.block_size} tokens")
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (%s, %s; weights %s)",
+            "KV cache: %d blocks x %d tokens = %d tokens, %d bytes/token (KV dtype %s, %s; compute %s, weights %s)",
             num_blocks,
             cfg.block_size,
             num_blocks * cfg.block_size,
             per_token,
-            self.dtype,
+            str(self.kv_dtype).removeprefix("torch."),
             self.device,
-            self.weight_dtype,
+            str(self.dtype).removeprefix("torch."),
+            str(self.weight_dtype).removeprefix("torch."),
         )
         return num_blocks
 
@@ -312,7 +319,11 @@ def make_kv_event_publisher(config: EngineConfig) -> ZmqEventPublisher | None:
 
 
 def kv_namespace(
-    model_dir: Path, kv_caches: list[torch.Tensor], weight_dtype: torch.dtype, block_size: int
+    model_dir: Path,
+    kv_caches: list[torch.Tensor],
+    weight_dtype: torch.dtype,
+    block_size: int,
+    compute_dtype: torch.dtype | None = None,
 ) -> Namespace:
     """What a stored or handed-off block's bytes depend on besides its tokens."""
     kv_dtype = kv_caches[0].dtype
@@ -322,6 +333,8 @@ def kv_namespace(
         block_size,
         block_shape(kv_caches),
         None if weight_dtype == kv_dtype else str(weight_dtype).removeprefix("torch."),
+        # K/V computed in fp32 and stored as bf16 are not the bytes bf16 compute stores
+        None if compute_dtype in (None, kv_dtype) else str(compute_dtype).removeprefix("torch."),
     )
 
 

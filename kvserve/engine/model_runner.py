@@ -21,9 +21,11 @@ from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOu
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
 from kvserve.kv_cache.kv_groups import KVCacheConfig
 from kvserve.layers.attention.backend import AttentionMetadata, LayerMetadata, PrefillSeq
-from kvserve.layers.sampler import Sampler
+from kvserve.layers.sampler import Sampler, logprob_entries
 from kvserve.models.interface import CausalLM
 from kvserve.platforms.interface import HostBlockCopy
+
+_PROMPT_LOGPROB_ROWS = 256  # positions per LM head call: [rows, vocab] fp32 logits stay small
 
 
 def kv_cache_config(model: CausalLM, sliding_window_release: bool = True) -> KVCacheConfig:
@@ -92,6 +94,7 @@ class ModelRunner:
             input_ids, positions, meta, sample_rows = self._prepare(batch)
         with named_range("model_forward"):
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        self._prompt_logprobs(batch, hidden, sample_rows)
         requests = [s.request for s in batch if s.samples]
         rows = [sample_rows[r.seq_id] for r in requests]
         for parent, child in out.forks:  # siblings draw from their parent's last-token logits
@@ -124,6 +127,27 @@ class ModelRunner:
         for j, i in enumerate(beams):
             out[requests[i].seq_id] = SampledToken(-1, beam_candidates=(values[j], tokens[j]))
         return out
+
+    def _prompt_logprobs(self, batch: list[ScheduledRequest], hidden: torch.Tensor, last_rows: dict[int, int]) -> None:
+        """For requests that ask: the fp32 log_softmax at each prompt position of this chunk,
+        scored on the next prompt token, appended to `request.prompt_logprobs` (chunks arrive in
+        order; positions it already holds, recomputed after a preemption, are skipped)."""
+        for s in batch:
+            req, k = s.request, s.request.sampling_params.prompt_logprobs
+            if k is None or req.beam is not None:
+                continue
+            if not req.prompt_logprobs:
+                req.prompt_logprobs.append(None)  # the first token has no context to be scored on
+            start = req.num_computed_tokens  # before this step's update
+            first = max(start, len(req.prompt_logprobs) - 1)  # position p scores token p + 1
+            end = min(start + s.num_new_tokens, req.num_prompt_tokens - 1)
+            row0 = last_rows[req.seq_id] - s.num_new_tokens + 1 - start  # the row of position 0
+            for lo in range(first, end, _PROMPT_LOGPROB_ROWS):
+                hi = min(lo + _PROMPT_LOGPROB_ROWS, end)
+                logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi])
+                logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+                targets = torch.tensor(req.prompt_token_ids[lo + 1 : hi + 1])
+                req.prompt_logprobs.extend(logprob_entries(logprobs, targets, k))
 
     def _sample(self, hidden: torch.Tensor, requests: list[Request]) -> list[SampledToken]:
         with named_range("logits"):

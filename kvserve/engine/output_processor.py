@@ -99,6 +99,7 @@ class OutputProcessor:
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=_metrics(first),
             kv_transfer_params=_handoff(first),
+            prompt_logprobs=self._prompt_logprobs(first),
         )
 
     def drop(self, group_id: str) -> RequestGroup | None:
@@ -140,6 +141,11 @@ class OutputProcessor:
             )
             for i, h in enumerate(group.results())
         ]
+
+    def _prompt_logprobs(self, req: Request) -> list[dict[int, Logprob] | None] | None:
+        if req.sampling_params.prompt_logprobs is None:
+            return None
+        return [None if lp is None else self._decode_logprobs(lp) for lp in req.prompt_logprobs]
 
     def _decode_logprobs(self, entry: dict[int, Logprob]) -> dict[int, Logprob]:
         if all(lp.decoded_token is not None for lp in entry.values()):

@@ -54,6 +54,8 @@ class Request:
     sample_index: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    # with sampling_params.prompt_logprobs: an entry per prompt position done so far (None for the first)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
@@ -88,6 +90,13 @@ class Request:
         return len(self.output_token_ids)
 
     @property
+    def skip_reading_prefix_cache(self) -> bool:
+        """vLLM's rule: prompt logprobs need the logits of every prompt position, which a prefix
+        hit would skip, so such a request computes its whole prompt (until it has them all: a
+        preempted one may then resume from the cache). Its blocks are still cached for others."""
+        return self.sampling_params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    @property
     def needs_fork(self) -> bool:
         """A parent of n > 1 samples that has not produced its first token yet."""
         return self.sampling_params.n > 1 and self.sample_index == 0 and not self.output_token_ids
@@ -106,6 +115,7 @@ class Request:
             sample_index=sample_index,
             output_token_ids=[],
             output_logprobs=[],
+            prompt_logprobs=list(self.prompt_logprobs),  # the output reports the first sample's
             block_keys=list(self.block_keys),
             times=replace(self.times),
             generator=None,
@@ -118,6 +128,7 @@ class Request:
             sample_index=1,  # only the group's first request counts as its prompt's in the stats
             output_token_ids=list(self.output_token_ids),
             output_logprobs=[],
+            prompt_logprobs=[],
             block_keys=list(self.block_keys),
             generator=None,
         )

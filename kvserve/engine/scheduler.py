@@ -192,7 +192,7 @@ class Scheduler:
             req = self.waiting[0]
             if self._num_seats() + self._seats(req) > self.config.max_num_seqs:
                 break
-            hit = self.kv.match_prefix(req)
+            hit = None if req.skip_reading_prefix_cache else self.kv.match_prefix(req)
             if self.kv.start_load(req, hit) and not self.kv.wait_for_load(req, self._load_wait_until):
                 self.waiting.popleft()
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -157,10 +157,18 @@ def _top_logprobs(logprobs: torch.Tensor, token_id: int, req: Request) -> dict[i
     k = req.sampling_params.logprobs
     if k is None:
         return None
-    chosen = logprobs[token_id]
-    out = {token_id: Logprob(chosen.item(), int((logprobs > chosen).sum().item()) + 1)}
+    return logprob_entries(logprobs.unsqueeze(0), torch.tensor([token_id]), k)[0]
+
+
+def logprob_entries(logprobs: torch.Tensor, token_ids: torch.Tensor, k: int) -> list[dict[int, Logprob]]:
+    """Per row of logprobs [rows, vocab]: its token's Logprob (rank: 1 + the tokens more likely)
+    and the top k, as vLLM reports them for a sampled token or a prompt token."""
+    chosen = logprobs.gather(1, token_ids.view(-1, 1))
+    ranks = ((logprobs > chosen).sum(dim=1) + 1).tolist()
+    entries = [{t: Logprob(c, r)} for t, c, r in zip(token_ids.tolist(), chosen.view(-1).tolist(), ranks, strict=True)]
     if k:
-        values, ids = logprobs.topk(k)
-        for rank, (v, t) in enumerate(zip(values.tolist(), ids.tolist(), strict=True), start=1):
-            out.setdefault(t, Logprob(v, rank))
-    return out
+        values, ids = logprobs.topk(k, dim=1)
+        for entry, vs, ts in zip(entries, values.tolist(), ids.tolist(), strict=True):
+            for rank, (v, t) in enumerate(zip(vs, ts, strict=True), start=1):
+                entry.setdefault(t, Logprob(v, rank))
+    return entries

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from kvserve.kernels.small_batch_linear import isa as small_batch_isa
+from kvserve.logger import logger
 from kvserve.platforms.cpu import CpuPlatform
 from kvserve.platforms.interface import Platform
 
@@ -38,16 +39,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return choices[dtype]
 
 
-def get_platform(device: str, dtype: str) -> Platform:
-    """The platform for an `EngineConfig`'s device and dtype ('auto' resolved here).
+def get_platform(device: str, dtype: str, kv_cache_dtype: str = "auto") -> Platform:
+    """The platform for an `EngineConfig`'s device, dtype and KV cache dtype ('auto' resolved here).
 
     'auto' on a CPU without bf16 arithmetic computes in fp32 on weights rounded to bf16, where
     the small-batch kernel reads them as bf16 (its AVX2 path): a decode step is bound by
     reading the weights, so it reads half, and the weights hold what bf16 hosts run with.
     'float32' keeps the weights as loaded."""
     resolved = resolve_device(device)
-    if resolved.type != "cpu":
-        return Platform(resolved, resolve_dtype(dtype, resolved))
     compute = resolve_dtype(dtype, resolved)
-    bf16_weights = dtype == "auto" and compute == torch.float32 and small_batch_isa(torch.float32) == "avx2"
-    return CpuPlatform(resolved, compute, torch.bfloat16 if bf16_weights else None)
+    if resolved.type != "cpu":
+        platform = Platform(resolved, compute)
+    else:
+        bf16_weights = dtype == "auto" and compute == torch.float32 and small_batch_isa(torch.float32) == "avx2"
+        platform = CpuPlatform(resolved, compute, torch.bfloat16 if bf16_weights else None)
+    platform.kv_dtype = resolve_kv_dtype(kv_cache_dtype, dtype, platform)
+    if not platform.reads_kv(platform.kv_dtype):
+        logger.info(
+            "KV cache dtype %s under %s compute: the attention kernels cannot read it, so attention runs on "
+            "the PyTorch path (it casts K/V as it reads them), without the C++ layer loop",
+            platform.kv_dtype,
+            compute,
+        )
+    return platform
+
+
+def resolve_kv_dtype(kv_cache_dtype: str, dtype: str, platform: Platform) -> torch.dtype:
+    """'auto': float32 for a reference run (dtype 'float32'); else bfloat16 where the platform's
+    fastest attention path reads it under the compute dtype (half the bytes per token), else
+    the compute dtype (an AVX2 CPU computing in fp32 on the kernels)."""
+    if kv_cache_dtype == "auto":
+        if dtype == "float32" or platform.dtype == torch.float16:
+            return platform.dtype
+        return torch.bfloat16 if platform.reads_kv(torch.bfloat16) else platform.dtype
+    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if kv_cache_dtype not in choices:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(choices)}; got {kv_cache_dtype!r}")
+    return choices[kv_cache_dtype]

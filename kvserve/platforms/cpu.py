@@ -39,7 +39,13 @@ from kvserve.platforms.interface import Platform
 
 @dataclass
 class CpuPlatform(Platform):
+    def reads_kv(self, kv_dtype: torch.dtype) -> bool:
+        # the kernels (and the C++ loop) read K/V of the compute dtype only
+        return kv_dtype == self.dtype or not available()
+
     def attention_backend(self, head_dim: int) -> AttentionBackend:
+        if self.kv_dtype != self.dtype:  # the kernels cannot read it: the PyTorch path casts
+            return TorchAttention()
         if paged_attention.supports(head_dim):
             supported = prefill_attention.supports(head_dim, self.dtype)
             prefill = prefill_attention.isa(self.dtype) if supported else ""

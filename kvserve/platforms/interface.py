@@ -17,11 +17,19 @@ from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 @dataclass
 class Platform:
     device: torch.device
-    dtype: torch.dtype  # activations and the KV cache
+    dtype: torch.dtype  # activations
     weight_dtype: torch.dtype | None = None  # what the matrices' values are rounded to (None: dtype)
+    kv_dtype: torch.dtype | None = None  # how K/V are stored (None: dtype)
 
     def __post_init__(self) -> None:
         self.weight_dtype = self.weight_dtype or self.dtype
+        self.kv_dtype = self.kv_dtype or self.dtype
+
+    def reads_kv(self, kv_dtype: torch.dtype) -> bool:
+        """Whether this platform's fastest attention path reads K/V stored as `kv_dtype` under
+        its compute dtype. The PyTorch path reads any (it casts what it gathers), bf16 on a GPU
+        only where the GPU has it."""
+        return kv_dtype != torch.bfloat16 or self.device.type != "cuda" or torch.cuda.is_bf16_supported()
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
         return TorchAttention()

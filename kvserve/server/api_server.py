@@ -204,6 +204,8 @@ async def server_info(raw_request: Request) -> ServerInfoResponse:
         block_size=info.block_size,
         num_kv_blocks=info.num_kv_blocks,
         kv_capacity_tokens=info.kv_capacity_tokens,
+        kv_cache_dtype=info.kv_cache_dtype,
+        kv_bytes_per_token=info.kv_bytes_per_token,
         max_model_len=model.max_model_len,
         kv_events=_kv_events_info(info.kv_events, state.host),
         kv_tiers=list(info.kv_tiers),

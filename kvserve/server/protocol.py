@@ -204,22 +204,35 @@ class CompletionRequest(SamplingRequest):
         | Annotated[list[NonEmptyStr], Field(min_length=1)]
         | Annotated[list[TokenIds], Field(min_length=1)]
     ) = Field(description="a string, token ids, or a list of either (one set of choices per prompt)")
-    max_tokens: Annotated[Int, Field(ge=1)] | None = Field(16, description="null: up to the context length")
-    echo: bool = False
+    max_tokens: Annotated[Int, Field(ge=0)] | None = Field(
+        16, description="null: up to the context length; 0 (with echo): the prompt's logprobs alone"
+    )
+    echo: bool = Field(False, description="the prompt's text first; with logprobs, its tokens' logprobs too")
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
-    def _echo_without_logprobs(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which kvserve does not compute")
+    def _no_tokens_only_with_echo(self) -> CompletionRequest:
+        if self.max_tokens == 0 and (not self.echo or self.use_beam_search):
+            raise ValueError("max_tokens must be >= 1, or 0 with echo (and no use_beam_search), got 0")
         return self
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """What lm-evaluation-harness asks for a loglikelihood: the prompt scored, nothing generated."""
+        return self.echo and self.max_tokens == 0
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         return [p] if isinstance(p, str) or isinstance(p[0], int) else list(p)
 
     def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self.sampling_fields())
+        # as vLLM: echo without generation still samples one token, which the response leaves out
+        return SamplingParams(
+            max_tokens=1 if max_tokens == 0 else max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=self.logprobs if self.echo else None,
+            **self.sampling_fields(),
+        )
 
 
 class CompletionLogProbs(BaseModel):
@@ -450,6 +463,8 @@ class ServerInfoResponse(BaseModel):
     block_size: int
     num_kv_blocks: int
     kv_capacity_tokens: int
+    kv_cache_dtype: str = Field(description="how K/V are stored: float32 or bfloat16")
+    kv_bytes_per_token: int = Field(description="K and V of every layer for one token, as stored")
     max_model_len: int
     kv_events: KVEventsInfoResponse | None
     kv_tiers: list[str] = Field(description="the tiers below the device pool, in order")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from dataclasses import replace
 
 from fastapi import Response
 
@@ -47,6 +48,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if request.stream:
                 return EventSourceResponse(self._stream(request, request_id, first, stream, echoes))
             finals = await collect_finals(first, stream, len(prompts))
+        if request.echo_without_generation:
+            finals = [without_generation(out) for out in finals]
         return self._response(request, request_id, finals, echoes)
 
     async def _echo_text(self, prompt: str | list[int]) -> str:
@@ -58,11 +61,15 @@ class OpenAIServingCompletion(OpenAIServing):
         choices = []
         for i, out in enumerate(finals):
             for c in out.outputs:
+                logprobs = None
+                if c.logprobs is not None:
+                    logprobs, offset = self._prompt_part(request, out)
+                    logprobs = _join(logprobs, completion_logprobs(c, slice(None), offset)[0])
                 choices.append(
                     CompletionResponseChoice(
                         index=i * request.n + c.index,
                         text=(echoes[i] if echoes else "") + c.text,
-                        logprobs=completion_logprobs(c, slice(None), 0)[0] if c.logprobs is not None else None,
+                        logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                         prompt_token_ids=out.prompt_token_ids if request.return_token_ids else None,
@@ -93,13 +100,20 @@ class OpenAIServingCompletion(OpenAIServing):
         def chunk(i: int, out: RequestOutput) -> str | None:
             choices = []
             prompt_ids = out.prompt_token_ids if request.return_token_ids else None
+            if request.echo_without_generation:
+                out = without_generation(out)
             for c in out.outputs:
                 index = i * request.n + c.index
-                echo = echoes[i] if echoes and index not in states else ""
+                first_chunk = index not in states
+                echo = echoes[i] if echoes and first_chunk else ""
                 text, new = states.setdefault(index, StreamState()).advance(c)
                 logprobs = None
                 if c.logprobs is not None:
+                    head = None
+                    if first_chunk:  # the prompt's logprobs go out with its echo
+                        head, offsets[index] = self._prompt_part(request, out)
                     logprobs, offsets[index] = completion_logprobs(c, new, offsets.get(index, 0))
+                    logprobs = _join(head, logprobs)
                 # with return_token_ids every token is sent when generated, its text held back or not (vLLM's)
                 token_ids = c.token_ids[new] if request.return_token_ids else None
                 if echo or text or c.finish_reason or (logprobs and logprobs.tokens) or token_ids:
@@ -138,6 +152,47 @@ class OpenAIServingCompletion(OpenAIServing):
             except Exception as e:
                 yield stream_error(e)
         yield DONE
+
+    def _prompt_part(self, request: CompletionRequest, out: RequestOutput) -> tuple[CompletionLogProbs | None, int]:
+        """With echo, the prompt's tokens' logprobs, which come before the generated ones; and
+        the text offset after them."""
+        if not request.echo or out.prompt_logprobs is None:
+            return None, 0
+        result, offset = CompletionLogProbs(), 0
+        for token_id, entry in zip(out.prompt_token_ids, out.prompt_logprobs, strict=True):
+            if entry is None:  # the first token: nothing before it to score it
+                token = self.tokenizer.decode([token_id])
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+            else:
+                token = entry[token_id].decoded_token or ""
+                result.token_logprobs.append(entry[token_id].logprob)
+                result.top_logprobs.append({lp.decoded_token or "": lp.logprob for lp in by_rank(entry)})
+            result.tokens.append(token)
+            result.text_offset.append(offset)
+            offset += len(token)
+        return result, offset
+
+
+def without_generation(out: RequestOutput) -> RequestOutput:
+    """`echo` with `max_tokens: 0`: the one token sampled is left out of the text, the
+    logprobs and the usage, as vLLM does."""
+    empty = [
+        replace(c, text="", token_ids=[], logprobs=None if c.logprobs is None else [], cumulative_logprob=None)
+        for c in out.outputs
+    ]
+    return replace(out, outputs=empty)
+
+
+def _join(head: CompletionLogProbs | None, tail: CompletionLogProbs) -> CompletionLogProbs:
+    if head is None:
+        return tail
+    return CompletionLogProbs(
+        text_offset=head.text_offset + tail.text_offset,
+        token_logprobs=head.token_logprobs + tail.token_logprobs,
+        tokens=head.tokens + tail.tokens,
+        top_logprobs=head.top_logprobs + tail.top_logprobs,
+    )
 
 
 def completion_logprobs(c: CompletionOutput, new: slice, offset: int) -> tuple[CompletionLogProbs, int]:

@@ -24,12 +24,16 @@ class Namespace:
     block_size: int
     block_shape: tuple[int, ...]  # one block's payload: (layers, 2, block_size, kv_heads, head_dim)
     weight_dtype: str | None = None  # what the weights were rounded to, if narrower than kv_dtype
+    compute_dtype: str | None = None  # what K/V were computed in, if not kv_dtype
     kv_layout_version: int = KV_LAYOUT_VERSION
     format_version: int = FORMAT_VERSION
 
     @cached_property
     def digest(self) -> bytes:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).digest()
+        fields = asdict(self)
+        if fields["compute_dtype"] is None:  # left out: records of before the field keep their keys
+            del fields["compute_dtype"]
+        return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).digest()
 
     @property
     def itemsize(self) -> int:

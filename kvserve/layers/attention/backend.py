@@ -114,8 +114,8 @@ class AttentionBackend(Protocol):
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
     heads, dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k)
-    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v)
+    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k.to(kv_cache.dtype))
+    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v.to(kv_cache.dtype))
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -127,7 +127,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 
 class TorchAttention:
-    """Reference backend: SDPA over K/V gathered from the pool through block tables."""
+    """Reference backend: SDPA over K/V gathered from the pool through block tables. K/V
+    stored in another dtype than the compute one are cast as they are read, and a chunk's own
+    new K/V are rounded to it too, so a cold prefill attends over the values a cached prefix
+    holds (the output does not depend on where the prefix came from)."""
 
     def forward(
         self,
@@ -138,6 +141,8 @@ class TorchAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         write_kv(k, v, kv_cache, meta.slot_mapping)
+        if kv_cache.dtype != q.dtype:
+            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -149,8 +154,8 @@ class TorchAttention:
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        keys = gather_kv(kv_cache[0], meta.decode_block_tables)  # [B, Hkv, L, D]
-        values = gather_kv(kv_cache[1], meta.decode_block_tables)
+        keys = gather_kv(kv_cache[0], meta.decode_block_tables).to(q.dtype)  # [B, Hkv, L, D]
+        values = gather_kv(kv_cache[1], meta.decode_block_tables).to(q.dtype)
         mask = meta.decode_mask(keys.shape[-2])
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
         return o.squeeze(2)
@@ -178,7 +183,7 @@ class TorchAttention:
         bs = kv_cache.shape[2]
         start = seq.first_key(bs)
         table = seq.block_table[start // bs :]
-        keys = gather_kv(kv_cache[0], table)[:, : seq.context_len - start].unsqueeze(0)
-        values = gather_kv(kv_cache[1], table)[:, : seq.context_len - start].unsqueeze(0)
+        keys = gather_kv(kv_cache[0], table)[:, : seq.context_len - start].unsqueeze(0).to(q.dtype)
+        values = gather_kv(kv_cache[1], table)[:, : seq.context_len - start].unsqueeze(0).to(q.dtype)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.attn_bias(groups, q.dtype, start))
         return o.reshape(num_heads, n, dim).transpose(0, 1)  # CUDA SDPA may return other strides
