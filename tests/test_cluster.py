@@ -12,6 +12,7 @@ import time
 
 import httpx
 import psutil
+import pytest
 from test_server_common import TINY_ARGS, write_keys
 
 from kvserve.entrypoints.cli import build_parser
@@ -52,10 +53,11 @@ def _router_line(lines: queue.Queue, proc: subprocess.Popen, log, timeout: float
     raise AssertionError(f"no router URL: {open(log.name).read()[-3000:]}")
 
 
-def test_serve_replicas_starts_routes_and_stops_everything(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("pd", [False, True], ids=["both", "pd"])
+def test_serve_replicas_starts_routes_and_stops_everything(tiny_model_dir, tmp_path, pd):
     keys, port = write_keys(tmp_path / "keys"), free_port()
     cmd = [sys.executable, "-m", "kvserve", "serve", str(tiny_model_dir), "--replicas", "2", "--port", str(port)]
-    cmd += [*TINY_ARGS, "--api-keys", str(keys)]
+    cmd += [*TINY_ARGS, "--api-keys", str(keys), *(["--pd"] if pd else [])]
     log = (tmp_path / "cluster.log").open("w")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     lines: queue.Queue = queue.Queue()
@@ -79,6 +81,8 @@ def test_serve_replicas_starts_routes_and_stops_everything(tiny_model_dir, tmp_p
         replicas = httpx.get(f"{url}/router/replicas", headers=auth).json()
         assert len(replicas) == 2 and all(r["url"] in line for r in replicas)
         assert all(r["events"] is not None for r in replicas)  # the router has the replicas' secret: it follows events
+        roles = [httpx.get(f"{r['url']}/server_info").json()["role"] for r in replicas]
+        assert sorted(roles) == (["decode", "prefill"] if pd else ["both", "both"])
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=45) == 0
         gone, alive = psutil.wait_procs(children, timeout=5)
