@@ -55,7 +55,7 @@ class _ExportKV:
     owner: str
     block_keys: list[bytes]
     release: bool
-    done: asyncio.Future[list[bytes]]
+    done: asyncio.Future[memoryview]
 
 
 @dataclass
@@ -174,10 +174,10 @@ class AsyncLLMEngine:
     def unfinished_request_ids(self) -> Collection[str]:
         return self.engine.output_processor.groups.keys()
 
-    async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> list[bytes]:
+    async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> memoryview:
         """The records of the blocks lease `owner` holds under these keys (read between steps)."""
         self.check_health()
-        done: asyncio.Future[list[bytes]] = asyncio.get_running_loop().create_future()
+        done: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
         self._commands.put(_ExportKV(owner, block_keys, release, done))
         return await done
 

@@ -101,9 +101,9 @@ class EngineClient(Protocol):
 
     async def abort(self, request_id: str) -> None: ...
 
-    async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> list[bytes]:
-        """A prefill replica: the records of the leading run of `block_keys` that the lease of
-        finished request `owner` holds (none for keys it does not hold); `release` drops the lease."""
+    async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> memoryview:
+        """A prefill replica: the records, end to end, of the leading run of `block_keys` that the
+        lease of finished request `owner` holds (none for keys it does not hold); `release` drops it."""
 
     async def flush_kv(self) -> None:
         """Wait until the blocks queued for the slow tiers (Redis) are written."""

@@ -63,6 +63,14 @@ class KVTransfer:
         for layer, cache in enumerate(self.kv_caches):
             cache[:, ids] = buf[:, layer].transpose(0, 1)
 
+    def read_into(self, block_ids: list[int], buffers: list[memoryview]) -> None:
+        """The blocks' bytes into writable buffers of a block each."""
+        if self.copier is not None:
+            self.copier.gather_into(self.kv_caches, block_ids, buffers)
+            return
+        for buffer, payload in zip(buffers, self.read(block_ids), strict=True):
+            buffer[:] = payload
+
     def read(self, block_ids: list[int]) -> list[memoryview]:
         """The blocks' bytes, one payload each: into the store's buffers where it has them (host
         RAM's arena, kept as they are), else views of one array, each keeping it alive until the

@@ -24,7 +24,7 @@ from kvserve.kv_cache.tiers.disk import DiskTier
 from kvserve.kv_cache.tiers.handoff import HandoffTier
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
-from kvserve.kv_cache.tiers.record import encode
+from kvserve.kv_cache.tiers.record import header, header_size
 from kvserve.kv_cache.tiers.redis_tier import RedisTier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
 from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
@@ -173,16 +173,22 @@ class LLMEngine:
             raise ValueError("kv_transfer_params.do_remote_decode needs n=1 and no beam search")
         return self.config.kv_lease_seconds
 
-    def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> list[bytes]:
-        """The records (as the tiers store them) of the leading run of `block_keys` that lease
-        `owner` holds; with `release`, the lease is dropped once they are read."""
+    def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> memoryview:
+        """The records (as the tiers store them), end to end in one buffer, of the leading run of
+        `block_keys` that lease `owner` holds; with `release`, the lease is dropped once read.
+        The blocks are gathered straight into the buffer: one copy out of the pool."""
         ids = self.kv.leased_blocks(owner, block_keys, self.config.kv_lease_seconds)
-        payloads = self.exporter.read(ids) if ids else []
         ns = self.namespace
-        records = [encode(ns, tier_key(ns.digest, k), p) for k, p in zip(block_keys, payloads, strict=False)]
+        head, size = header_size(ns), header_size(ns) + ns.block_nbytes
+        body = memoryview(bytearray(len(ids) * size))
+        payloads = [body[i * size + head : (i + 1) * size] for i in range(len(ids))]
+        if ids:
+            self.exporter.read_into(ids, payloads)
+        for i, (key, payload) in enumerate(zip(block_keys, payloads, strict=False)):
+            body[i * size : i * size + head] = header(ns, tier_key(ns.digest, key), payload)
         if release:
             self.release_kv(owner)
-        return records
+        return body
 
     def release_kv(self, owner: str) -> bool:
         released = self.kv.release(owner)

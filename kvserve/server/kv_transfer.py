@@ -29,6 +29,7 @@ import aiohttp
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, Field
 
+from kvserve.engine.client import EngineClient
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.prefix_cache import extra_key
 from kvserve.server.errors import APIError
@@ -68,10 +69,11 @@ async def pull(body: PullRequest, raw_request: Request) -> Response:
     except ValueError as e:
         raise APIError(400, f"block_keys must be hex strings: {e}", param="block_keys") from e
     start = time.perf_counter()
-    records = await raw_request.app.state.engine.export_kv(body.remote_request_id, keys, body.release)
-    data = b"".join(records)
-    raw_request.app.state.metrics.kv_transferred("sent", len(records), len(data), time.perf_counter() - start)
-    return Response(data, media_type="application/octet-stream", headers={"X-KV-Blocks": str(len(records))})
+    engine: EngineClient = raw_request.app.state.engine
+    data = await engine.export_kv(body.remote_request_id, keys, body.release)
+    blocks = len(data) // engine.replica_info.kv_record_bytes
+    raw_request.app.state.metrics.kv_transferred("sent", blocks, len(data), time.perf_counter() - start)
+    return Response(data, media_type="application/octet-stream", headers={"X-KV-Blocks": str(blocks)})
 
 
 @router.post("/kv_transfer/release")
