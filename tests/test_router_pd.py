@@ -57,7 +57,7 @@ def keys_of(tokens: list[int], tenant: str = "A") -> list[bytes]:
 def _replica(index: int, role: str | None, blocks: list[bytes] = (), reported: str = "both") -> Replica:
     info = ServerInfo("m", "m", "/x", BS, 1000, 4096, None, False, role=reported)
     r = Replica(index, f"http://r{index}", State.HEALTHY, info, sent=SentBlocks(1000), configured_role=role)
-    r.subscriber = type("Sub", (), {"last_event_time": None, "last_seq": 0})()
+    r.subscriber = type("Sub", (), {"last_event_time": None, "last_seq": 0, "close": lambda self: None})()
     r.events.apply([BlockStored(list(blocks), None, [], BS)] if blocks else [])
     return r
 
@@ -146,6 +146,57 @@ def test_without_a_free_prefill_replica_a_long_prompt_prefills_locally_and_says_
     assert asyncio.run(proxy._handoff(short, proxy.choose(short, set()))) is LOCAL
     assert _sample(metrics, "local_prefills", reason="short") == 1
     assert _sample(metrics, "remote_prefills", replica=prefill.url) == 0
+
+
+def test_a_failing_prefill_replica_is_retried_on_the_next_then_given_up_for_a_local_prefill():
+    """Two prefill replicas, one answering 500 and one cutting the connection before answering: each is
+    tried once (the cut one out at once, as a refused connection makes it), then the decode replica
+    prefills the prompt itself, the request unharmed."""
+    from aiohttp import web
+
+    async def error(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "boom"}}, status=500)
+
+    async def cut(request: web.Request) -> web.Response:
+        request.transport.close()  # reset before any answer
+        return web.Response()
+
+    async def run() -> tuple[object, RouterMetrics, list[Replica]]:
+        runners, replicas = [], []
+        for i, handler in enumerate((error, cut)):
+            app = web.Application()
+            app.router.add_post("/v1/completions", handler)
+            runner = web.AppRunner(app)
+            await runner.setup()
+            port = free_port()
+            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runners.append(runner)
+            r = _replica(i, "prefill")
+            r.url = f"http://127.0.0.1:{port}"
+            replicas.append(r)
+        decode = _replica(2, "decode")
+        proxy, metrics = _proxy([*replicas, decode])
+        await proxy.start()
+        try:
+            request = _request(list(range(20 * BS + 5)))
+            handoff = await proxy._handoff(request, proxy.choose(request, set()))
+        finally:
+            await proxy.close()
+            for runner in runners:
+                await runner.cleanup()
+        return handoff, metrics, replicas
+
+    handoff, metrics, (errored, reset) = asyncio.run(run())
+    assert handoff is LOCAL
+    assert _sample(metrics, "retries", reason="server_error") == 1
+    assert _sample(metrics, "retries", reason="connection") == 1
+    assert _sample(metrics, "local_prefills", reason="fallback") == 1
+    assert (
+        _sample(metrics, "prefill_fallbacks", reason="connection")
+        + _sample(metrics, "prefill_fallbacks", reason="server_error")
+        == 1
+    )
+    assert reset.state is State.DEAD and errored.failures == 1  # a 5xx counts; two in a row would kill it
 
 
 def test_the_prefill_call_asks_for_the_prompts_kv_and_one_whole_token():
@@ -304,6 +355,23 @@ def test_a_short_prompt_never_leaves_its_decode_replica(pd):
     remote_before = _counter(pd.router.url, "remote_prefills")
     pd.post(pd.router.url, "/v1/completions", {"prompt": "Short and sweet.", "max_tokens": 4})
     assert _counter(pd.router.url, "remote_prefills") == remote_before
+
+
+def test_a_prefill_replica_frozen_mid_prefill_is_a_local_prefill(pd):
+    """SIGSTOP: the prefill call hangs without an answer until the health checks find the replica dead
+    (~1.5 s) and cut it; the decode replica then computes the prompt, the same greedy text."""
+    body = _body("completion", _long_text(pd.tokenizer, "frozen"), False)
+    alone, _ = _text("completion", body, pd.post(pd.decode.url, "/v1/completions", body, key="key-b"))
+    fallbacks = _counter(pd.router.url, "prefill_fallbacks")
+    pd.prefill.proc.send_signal(signal.SIGSTOP)
+    try:
+        text, _ = _text("completion", body, pd.post(pd.router.url, "/v1/completions", body))
+    finally:
+        pd.prefill.proc.send_signal(signal.SIGCONT)
+    assert text == alone
+    assert _counter(pd.router.url, "prefill_fallbacks") == fallbacks + 1
+    state = lambda: httpx.get(f"{pd.router.url}/router/replicas", headers=_auth("key-a"), timeout=5).json()  # noqa: E731
+    _wait_until(lambda: state()[0]["state"] == "healthy", 15, "the thawed prefill replica discovered again")
 
 
 def test_no_request_fails_when_the_prefill_replica_is_sigkilled(pd):

@@ -8,13 +8,15 @@ router-venv). `kvserve bench serve --workload multiturn` is the client for every
 harness only collects its JSON. Besides the policy runs: the router's added latency (small
 max_tokens=1 requests, direct vs routed, interleaved), an in-process routing-decision
 micro-measure on an 8k-token prompt (tokenization timed apart), kvserve cache_aware with a host
-tier, and kvserve cache_aware with one replica SIGKILLed mid-run. Not part of the kvserve
-package: see README.md here.
+tier, kvserve cache_aware with one replica SIGKILLed mid-run, and each policy again on the
+shared-system-prompt workload (`system_prompt.py`: one 1k-token system prompt, several tenants).
+Not part of the kvserve package: see README.md here.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -32,6 +34,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from routers_report import write_report
+from system_prompt import key as system_key
+from system_prompt import run_workload as run_system_workload
+from system_prompt import sample_chats, system_prompt
+from system_prompt import summarize as summarize_system
+from system_prompt import write_keys as write_system_keys
 
 from kvserve.entrypoints.cluster import _die_with_parent, core_groups, free_port
 from kvserve.kv_cache.block_keys import HASHED_IN
@@ -71,6 +78,9 @@ class BenchConfig:
     weights: tuple[float, ...] = ()  # kvserve cache_aware again at each --kv-overlap-score-weight
     weight_rounds: int = 1  # the weights' runs, alternated, this many times
     kill_after_s: float = 30.0
+    system_prompt: bool = True  # each policy again on the shared-system-prompt workload
+    tenants: int = 4  # its API keys, chats dealt out in turn
+    system_tokens: int = 1024  # its system prompt, at least
     run_timeout_s: float = 900.0
     render_only: bool = False
     decision_only: bool = False
@@ -152,13 +162,13 @@ class Proc:
             return ""
 
 
-def wait_http(url: str, proc: Proc, timeout: float) -> None:
+def wait_http(url: str, proc: Proc, timeout: float, headers: dict[str, str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not proc.alive():
             raise RuntimeError(f"{proc.name} exited while starting:\n{proc.tail()}")
         try:
-            if httpx.get(url, timeout=2).status_code == 200:
+            if httpx.get(url, timeout=2, headers=headers).status_code == 200:
                 return
         except httpx.TransportError:
             pass
@@ -169,8 +179,11 @@ def wait_http(url: str, proc: Proc, timeout: float) -> None:
 # --- the replicas ---------------------------------------------------------------------------------
 
 
-def replica_cmds(sizing: Sizing, tiers: bool, run_dir: Path) -> list[tuple[str, int, list[str]]]:
-    """(url, port, command) of each of the 2 replicas: bind-form KV events, one secret, the sized pool."""
+def replica_cmds(
+    sizing: Sizing, tiers: bool, run_dir: Path, keys: Path | None = None
+) -> list[tuple[str, int, list[str]]]:
+    """(url, port, command) of each of the 2 replicas: bind-form KV events, one secret, the sized pool (with
+    `keys`, an --api-keys file: the tenants of the shared-system-prompt workload)."""
     out = []
     for i in range(2):
         port, events = free_port(), free_port(pair=True)
@@ -180,14 +193,16 @@ def replica_cmds(sizing: Sizing, tiers: bool, run_dir: Path) -> list[tuple[str, 
         cmd += ["--kv-disk-dir", str(run_dir / f"kv{i}")]  # never the user's shared default dir
         if tiers:
             cmd += ["--kv-host-memory", str(sizing.host_tier_bytes)]
+        if keys is not None:
+            cmd += ["--api-keys", str(keys)]
         out.append((f"http://127.0.0.1:{port}", port, cmd))
     return out
 
 
-def start_replicas(sizing: Sizing, tiers: bool, run_dir: Path) -> list[tuple[str, Proc]]:
+def start_replicas(sizing: Sizing, tiers: bool, run_dir: Path, keys: Path | None = None) -> list[tuple[str, Proc]]:
     groups = core_groups(2)
     replicas = []
-    for i, (url, _, cmd) in enumerate(replica_cmds(sizing, tiers, run_dir)):
+    for i, (url, _, cmd) in enumerate(replica_cmds(sizing, tiers, run_dir, keys)):
         threads = str(len(groups[i]))  # torch sizes its pool by the machine's cores, not the affinity mask
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads}
         proc = Proc(f"replica {i}", cmd, run_dir / f"replica{i}.log", groups[i], env)
@@ -220,13 +235,18 @@ def router_cmd(policy: str, urls: list[str], port: int, anchors: Path | None, ex
 
 
 def start_router(
-    policy: str, urls: list[str], anchors: Path | None, run_dir: Path, extra: list[str]
+    policy: str,
+    urls: list[str],
+    anchors: Path | None,
+    run_dir: Path,
+    extra: list[str],
+    headers: dict[str, str] | None = None,
 ) -> tuple[str, Proc]:
     port = free_port()
     proc = Proc(f"router {policy}", router_cmd(policy, urls, port, anchors, extra), run_dir / "router.log")
     proc.start()
     url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/v1/models", proc, ROUTER_TIMEOUT_S)
+    wait_http(f"{url}/v1/models", proc, ROUTER_TIMEOUT_S, headers)
     time.sleep(1.5)  # kvserve's router: its replicas discovered and their KV events subscribed
     return url, proc
 
@@ -234,8 +254,8 @@ def start_router(
 # --- measuring ------------------------------------------------------------------------------------
 
 
-def served_model(url: str) -> str:
-    return httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+def served_model(url: str, headers: dict[str, str] | None = None) -> str:
+    return httpx.get(f"{url}/v1/models", timeout=10, headers=headers).json()["data"][0]["id"]
 
 
 def probe_ms(client: httpx.Client, url: str, model: str) -> float | str:
@@ -399,6 +419,9 @@ def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "",
     replicas: list[tuple[str, Proc]] = []
     router: Proc | None = None
     try:
+        if variant == "system":
+            run |= run_system(cfg, sizing, policy, run_dir)
+            return run
         replicas = start_replicas(sizing, variant == "tiers", run_dir)
         model = served_model(replicas[0][0])
         extra = [] if weight is None else ["--kv-overlap-score-weight", f"{weight:g}"]
@@ -424,6 +447,50 @@ def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "",
         for _, proc in replicas:
             proc.stop()
     return run
+
+
+def run_system(cfg: BenchConfig, sizing: Sizing, policy: str, run_dir: Path) -> dict[str, Any]:
+    """The shared-system-prompt workload (`system_prompt.py`) through the policy's router, on fresh replicas
+    given the tenants' keys (a peer router passes the key through), their pools sized as for the multiturn
+    one with each tenant's system prompt added to its working set once (its chats share it)."""
+    from kvserve.config import DEFAULT_MODEL
+    from kvserve.models.loader import resolve_model
+    from kvserve.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+    system = system_prompt(tokenizer, cfg.system_tokens)
+    system_tokens = len(tokenizer.encode(system, add_special_tokens=False))
+    chats = sample_chats(tokenizer, cfg.conversations, cfg.tenants, cfg.seed, cfg.turns)
+    working = sizing.working_set_tokens + cfg.tenants * system_tokens
+    pool, tokens = pool_for(working, sizing.working_set_ratio, sizing.bytes_per_token, sizing.block_size)
+    sizing = dataclasses.replace(sizing, working_set_tokens=working, pool_bytes=pool, pool_tokens=tokens)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    keys = write_system_keys(run_dir / "keys", cfg.tenants)
+    headers = {"Authorization": f"Bearer {system_key(0)}"}
+    replicas: list[tuple[str, Proc]] = []
+    router: Proc | None = None
+    out: dict[str, Any] = {"tenants": cfg.tenants, "system_tokens": system_tokens, "pool_tokens": tokens}
+    try:
+        replicas = start_replicas(sizing, False, run_dir, keys)
+        model = served_model(replicas[0][0], headers)
+        extra = ["--api-keys", str(keys)]
+        url, router = start_router(policy, [u for u, _ in replicas], cfg.anchors, run_dir, extra, headers)
+        procs = {"router": router} | {f"replica {i}": proc for i, (_, proc) in enumerate(replicas)}
+        cpu_before = {name: proc.cpu_seconds() for name, proc in procs.items()}
+        result = run_system_workload(url, model, system, chats, cfg.concurrency)
+        (run_dir / "bench.json").write_text(json.dumps(result))
+        out |= summarize_system(result, sum(len(c.user_turns) for c in chats), system_tokens) | {"ok": True}
+        out["cpu_s"] = cpu_split(procs, cpu_before)
+        out["replica_counters"] = [replica_counters(u) for u, _ in replicas]
+        if POLICIES[policy][1] == "kvserve":
+            out["router_histograms"] = router_histograms(url)
+    finally:
+        if router is not None:
+            out["router_log_tail"] = router.tail(8)
+            router.stop()
+        for _, proc in replicas:
+            proc.stop()
+    return out
 
 
 # --- the routing decision, in process -------------------------------------------------------------
@@ -536,6 +603,7 @@ def run_all(cfg: BenchConfig, argv: list[str]) -> dict[str, Any]:
     jobs += [("cache_aware", "tiers", None)] if cfg.tiers_on else []
     jobs += [("cache_aware", "kill", None)] if cfg.kill else []
     jobs += [("cache_aware", weight_variant(w, i), w) for i in range(cfg.weight_rounds) for w in cfg.weights]
+    jobs += [(p, "system", None) for p in cfg.policies] if cfg.system_prompt else []
     for policy, variant, weight in jobs:
         print(f"routers: {policy} {variant} (load {os.getloadavg()[0]:.2f})", file=sys.stderr, flush=True)
         report["runs"].append(run_policy(cfg, sizing, policy, variant, weight))
@@ -549,7 +617,10 @@ def resummarize(report: dict[str, Any], work: Path) -> dict[str, Any]:
     """--render-only: each run's figures again from its client JSON under --work, where it is still there."""
     for run in report["runs"]:
         bench = work / (run["policy"] + (f"+{run['variant']}" if run["variant"] else "")) / "bench.json"
-        if run["ok"] and bench.exists():
+        if run["ok"] and bench.exists() and run["variant"] == "system":
+            expected = run["completed"] + run["failed"] + run["unsent"]
+            run |= summarize_system(json.loads(bench.read_text()), expected, run["system_tokens"])
+        elif run["ok"] and bench.exists():
             run |= summarize(json.loads(bench.read_text()), report["sizing"]["turns"])
     return report
 
@@ -571,6 +642,11 @@ def parse_args(argv: list[str]) -> BenchConfig:
     p.add_argument("--no-tiers-on", action="store_true", help="skip kvserve cache_aware with a host tier")
     p.add_argument("--no-kill", action="store_true", help="skip the run that SIGKILLs a replica")
     p.add_argument("--kill-after", type=float, default=d.kill_after_s, help="seconds into the kill run")
+    p.add_argument("--no-system-prompt", action="store_true", help="skip the shared-system-prompt workload")
+    p.add_argument("--tenants", type=int, default=d.tenants, help="shared-system-prompt workload: API keys")
+    p.add_argument(
+        "--system-tokens", type=int, default=d.system_tokens, help="shared-system-prompt workload: its length"
+    )
     p.add_argument(
         "--weights", default="", help="comma list: kvserve cache_aware again at each --kv-overlap-score-weight"
     )
@@ -588,6 +664,7 @@ def parse_args(argv: list[str]) -> BenchConfig:
     cfg.render_only, cfg.decision_only = a.render_only, a.decision_only
     cfg.weights = tuple(float(x) for x in a.weights.split(",") if x.strip())
     cfg.weight_rounds = a.weight_rounds
+    cfg.system_prompt, cfg.tenants, cfg.system_tokens = not a.no_system_prompt, a.tenants, a.system_tokens
     return cfg
 
 

@@ -81,6 +81,20 @@ def _label(run: dict[str, Any]) -> str:
     return run["label"] + (f" ({run['variant']})" if run["variant"] else "")
 
 
+def system_lines(report: dict[str, Any]) -> list[str]:
+    """What the "(system)" rows ran (tools/routers/system_prompt.py), where they ran."""
+    run = next((r for r in report["runs"] if r["variant"] == "system" and "system_tokens" in r), None)
+    if run is None:
+        return []
+    return [
+        "",
+        f'Rows "(system)": the same chats, each opening with one shared {run["system_tokens"]}-token system '
+        f"prompt, dealt out over {run['tenants']} tenants' API keys (the same text salted apart per tenant); "
+        f"device pool {run['pool_tokens']} tokens each (each tenant's system prompt added to the working set "
+        "once); bound: a later turn reuses its previous turn, a tenant's later chat its system prompt.",
+    ]
+
+
 def results_table(report: dict[str, Any]) -> list[str]:
     lines = [
         "| router / policy | hit rate (bound) | TTFT p50 (ms) | TTFT p90 (ms) | output tok/s | completed "
@@ -205,6 +219,7 @@ def render(report: dict[str, Any]) -> str:
         f"every run; device pool {s['pool_tokens']} tokens each ({s['pool_bytes']} bytes), the chats' working set "
         f"~{s['working_set_tokens']} tokens = {s['working_set_ratio']}x one pool; disk tier off; the tiers-on run "
         f"adds a {s['host_tier_bytes']} byte host tier to each. Hit rate: engine-reported cached / prompt tokens.",
+        *system_lines(report),
         "",
         "## Targets",
         "",
