@@ -57,3 +57,14 @@ def test_the_subcommand_parses():
     args = build_parser().parse_args(["bench", "kv-accuracy", "--context-lens", "64", "--num-samples", "1"])
     assert args.dtype == "float32" and args.context_lens == "64" and args.model == "smollm2-135m"
     assert args.kv_cache_dtypes == "float32,bfloat16,int8"
+
+
+def test_the_table_lists_every_dtype(report):
+    from rich.console import Console
+
+    from kvserve.bench.kv_accuracy import print_table
+
+    console = Console(record=True, width=160)
+    print_table(report, console)
+    text = console.export_text()
+    assert "bfloat16" in text and "not built yet" in text and "meets" in text

@@ -233,8 +233,11 @@ def print_table(report: KVAccuracyReport, console: Console | None = None) -> Non
             f"{r.perplexity_rel:+.3%}",
             "meets" if r.meets_targets else "MISSES",
         )
-    (console or Console()).print(table)
-    (console or Console()).print(
+    console = console or Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 120)  # piped to a file: the whole table, not 80 columns of it
+    console.print(table)
+    console.print(
         f"targets (issue #49): KL <= 1e-3 at 512 tokens, 2e-3 at 2,048; top-1 >= {TARGET_TOP1:.1%}; "
         f"perplexity within {TARGET_PPL_REL:.1%}"
     )
