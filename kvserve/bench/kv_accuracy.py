@@ -117,28 +117,37 @@ class _Accumulator:
         self.nll_sum -= float(test.gather(1, targets[:, None]).double().sum())
 
 
-def _capture(llm, window: list[int]) -> tuple[list[tuple[int, torch.Tensor]], float]:
-    """The full log_softmax rows of a teacher-forced prefill of `window`, by first position."""
+def _prefill(llm, window: list[int], sink: Callable[[int, torch.Tensor], None]) -> float:
+    """Teacher-forced prefill of `window`; `sink(first position, rows)` gets each chunk's full
+    log_softmax rows as the engine computes them (no whole-window copy: Gemma's 262k vocabulary
+    makes one 2 GiB at 2,048 tokens). Returns the seconds it took."""
     from kvserve import SamplingParams
 
-    rows: list[tuple[int, torch.Tensor]] = []
     runner = llm.llm_engine.runner
-    runner.prompt_logprob_rows = lambda _req, lo, logprobs: rows.append((lo, logprobs))
+    runner.prompt_logprob_rows = lambda _req, lo, logprobs: sink(lo, logprobs)
     try:
         t0 = time.perf_counter()
         llm.generate([window], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-        seconds = time.perf_counter() - t0
+        return time.perf_counter() - t0
     finally:
         runner.prompt_logprob_rows = None
-    rows.sort(key=lambda r: r[0])
-    return rows, seconds
 
 
-def _stack(rows: list[tuple[int, torch.Tensor]], n: int) -> torch.Tensor:
-    out = torch.cat([r for _, r in rows])
-    if len(out) != n or [lo for lo, _ in rows] != sorted({lo for lo, _ in rows}):
-        raise RuntimeError(f"expected {n} prompt positions, got {len(out)}")
-    return out
+def _reference(llm, window: list[int]) -> tuple[torch.Tensor, float]:
+    """The fp32-KV run's rows for every position, one [len - 1, vocab] tensor filled in place."""
+    ref: list[torch.Tensor] = []
+    seen = []
+
+    def keep(lo: int, rows: torch.Tensor) -> None:
+        if not ref:
+            ref.append(torch.empty(len(window) - 1, rows.shape[1]))
+        ref[0][lo : lo + len(rows)] = rows
+        seen.append(len(rows))
+
+    seconds = _prefill(llm, window, keep)
+    if sum(seen) != len(window) - 1:
+        raise RuntimeError(f"expected {len(window) - 1} prompt positions, got {sum(seen)}")
+    return ref[0], seconds
 
 
 def run_kv_accuracy(
@@ -171,16 +180,22 @@ def run_kv_accuracy(
         ref_acc = _Accumulator()
         accs = {kv: _Accumulator() for kv in (REFERENCE, *built)}
         for i, window in enumerate(samples):
-            n = len(window) - 1
             targets = torch.tensor(window[1:])
-            ref_rows, seconds = _capture(engines[REFERENCE], window)
-            ref = _stack(ref_rows, n)
-            ref_acc.add(ref, ref, targets)
-            ref_acc.seconds += seconds
-            for kv in accs:  # fp32 again too: the comparison's own floor (0 when the runs are deterministic)
-                test_rows, seconds = _capture(engines[kv], window)
-                accs[kv].add(ref, _stack(test_rows, n), targets)
-                accs[kv].seconds += seconds
+            ref, _ = _reference(engines[REFERENCE], window)
+            ref_acc.nll_sum -= float(ref.gather(1, targets[:, None]).double().sum())
+            ref_acc.positions += len(ref)
+            for kv, acc in accs.items():  # fp32 again too: the comparison's own floor (0 when deterministic)
+                before = acc.positions
+                acc.seconds += _prefill(
+                    engines[kv],
+                    window,
+                    lambda lo, rows, acc=acc, ref=ref, t=targets: acc.add(
+                        ref[lo : lo + len(rows)], rows, t[lo : lo + len(rows)]
+                    ),
+                )
+                if acc.positions - before != len(ref):
+                    raise RuntimeError(f"{kv}: expected {len(ref)} prompt positions, got {acc.positions - before}")
+            del ref
             log(f"{context_len} tokens: window {i + 1}/{len(samples)} done")
         ref_ppl = math.exp(ref_acc.nll_sum / ref_acc.positions)
         for kv in config.kv_cache_dtypes:
