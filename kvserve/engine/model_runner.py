@@ -11,6 +11,8 @@ mapping, block tables and window; the model gets one metadata per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kvserve.engine.beam_search import row_candidates
@@ -85,6 +87,9 @@ class ModelRunner:
         self.meta_keys = sorted(set(layer_keys), key=lambda k: (k[0], k[1] or 0))
         self.layer_metas = [self.meta_keys.index(k) for k in layer_keys] if len(self.meta_keys) > 1 else None
         self.kv_tensors = kv_slots(kv_caches)
+        # a bench's hook (`kvserve bench kv-accuracy`): sees each prompt-logprob chunk's full
+        # [rows, vocab] fp32 log_softmax as (request, first position, rows) before top k is taken
+        self.prompt_logprob_rows: Callable[[Request, int, torch.Tensor], None] | None = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> dict[int, SampledToken]:
@@ -146,6 +151,8 @@ class ModelRunner:
                 hi = min(lo + _PROMPT_LOGPROB_ROWS, end)
                 logits = self.model.compute_logits(hidden[row0 + lo : row0 + hi])
                 logprobs = torch.log_softmax(logits.float(), dim=-1).cpu()
+                if self.prompt_logprob_rows is not None:
+                    self.prompt_logprob_rows(req, lo, logprobs)
                 targets = torch.tensor(req.prompt_token_ids[lo + 1 : hi + 1])
                 req.prompt_logprobs.extend(logprob_entries(logprobs, targets, k))
 
