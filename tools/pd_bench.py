@@ -198,7 +198,7 @@ def main() -> None:
     p.add_argument("--streams", type=int, default=8, help="decoding streams kept running")
     p.add_argument("--stream-words", type=int, default=40)
     p.add_argument("--stream-tokens", type=int, default=256)
-    p.add_argument("--long-words", type=int, default=460, help="a long prompt's words (~4.3 tokens each: ~2,000 tokens)")
+    p.add_argument("--long-words", type=int, default=460, help="a long prompt's words (~2,000 tokens)")
     p.add_argument("--rate", type=float, default=0.25, help="long prompts per second (Poisson)")
     p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
     p.add_argument("--slo-itl", type=float, default=150.0, help="ms, a request's ITL p99")
