@@ -441,11 +441,7 @@ def run_policy(cfg: BenchConfig, sizing: Sizing, policy: str, variant: str = "",
         print(f"routers: {name} failed: {str(e)[-600:]}", file=sys.stderr, flush=True)
     finally:
         run["load_after"] = os.getloadavg()
-        if router is not None:
-            run["router_log_tail"] = router.tail(8)
-            router.stop()
-        for _, proc in replicas:
-            proc.stop()
+        stop_all(router, replicas, run)
     return run
 
 
@@ -485,12 +481,17 @@ def run_system(cfg: BenchConfig, sizing: Sizing, policy: str, run_dir: Path) -> 
         if POLICIES[policy][1] == "kvserve":
             out["router_histograms"] = router_histograms(url)
     finally:
-        if router is not None:
-            out["router_log_tail"] = router.tail(8)
-            router.stop()
-        for _, proc in replicas:
-            proc.stop()
+        stop_all(router, replicas, out)
     return out
+
+
+def stop_all(router: object | None, replicas: list, out: dict) -> None:
+    """The router's last lines into `out`, then the router and every replica stopped."""
+    if router is not None:
+        out["router_log_tail"] = router.tail(8)
+        router.stop()
+    for _, proc in replicas:
+        proc.stop()
 
 
 # --- the routing decision, in process -------------------------------------------------------------
