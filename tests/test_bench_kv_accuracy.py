@@ -68,3 +68,14 @@ def test_the_table_lists_every_dtype(report):
     print_table(report, console)
     text = console.export_text()
     assert "bfloat16" in text and "not built yet" in text and "meets" in text
+
+
+def test_the_parsers_defaults_are_the_configs():
+    """The parser repeats KVAccuracyConfig's defaults (importing it would load torch into every command)."""
+    from kvserve.bench.kv_accuracy import KVAccuracyConfig
+    from kvserve.entrypoints.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "kv-accuracy"])
+    config = KVAccuracyConfig()
+    assert (args.model, args.dtype, args.num_samples) == (config.model, config.dtype, config.num_samples)
+    assert args.kv_cache_dtypes.split(",") == [*config.kv_cache_dtypes, "int8"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvserve.bench.datasets import OFFLINE_WORKLOADS, SERVE_WORKLOADS
-from kvserve.config import EngineConfig
+from kvserve.config import KV_CACHE_DTYPES, EngineConfig
 from kvserve.engine_args import add_engine_args, engine_config
 
 if TYPE_CHECKING:
@@ -374,8 +374,9 @@ def cmd_prefix_tiers(args: argparse.Namespace) -> None:
 
 
 def add_kv_accuracy_parser(subparsers: argparse._SubParsersAction) -> None:
-    from kvserve.bench.kv_accuracy import KVAccuracyConfig, engine_kv_dtypes
-
+    # no import of kv_accuracy here: it loads torch, and every `kvserve` command (the router's too) builds
+    # this parser; the defaults are KVAccuracyConfig's
+    kv_dtypes = [d for d in KV_CACHE_DTYPES if d != "auto"]
     k = subparsers.add_parser(
         "kv-accuracy",
         help="teacher-forced ShareGPT text: each KV dtype against fp32 K/V (KL, top-1, perplexity)",
@@ -383,20 +384,20 @@ def add_kv_accuracy_parser(subparsers: argparse._SubParsersAction) -> None:
         "against the fp32-KV run of the same weights and compute dtype: KL over the whole vocabulary, "
         "top-1 agreement, perplexity. KV dtypes the engine does not accept yet (int8) are listed as not built.",
     )
-    k.add_argument("--model", default=KVAccuracyConfig.model, help="smollm2-135m, gemma3-270m, or a directory")
+    k.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma3-270m, or a directory")
     k.add_argument(
         "--dtype",
         choices=("float32", "auto", "bfloat16"),
-        default=KVAccuracyConfig.dtype,
+        default="float32",
         help="compute dtype of every run (float32: the KV dtype is the only difference)",
     )
     k.add_argument(
         "--kv-cache-dtypes",
-        default=",".join((*engine_kv_dtypes(), "int8")),
+        default=",".join((*kv_dtypes, "int8")),
         help="comma list, compared with float32 K/V",
     )
     k.add_argument("--context-lens", default="512,2048", help="comma list of window lengths in tokens")
-    k.add_argument("--num-samples", type=int, default=KVAccuracyConfig.num_samples, help="windows per length")
+    k.add_argument("--num-samples", type=int, default=4, help="windows per length")
     k.add_argument("--seed", type=int, default=0, help="shuffles the ShareGPT conversations")
     k.add_argument("--output-json", type=Path, default=None)
     k.set_defaults(func=cmd_kv_accuracy)
