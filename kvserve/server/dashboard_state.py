@@ -53,10 +53,15 @@ async def replica_state(
 
 
 def _handoffs(engine: EngineClient, metrics: ServerMetrics) -> dict[str, int]:
-    """Prefill/decode handoffs, direct path: pulls served and made, blocks and bytes, as /metrics counts them."""
-    load, t = engine.load(), metrics.transfer_totals
-    names = ("sent", "sent_blocks", "sent_bytes", "received", "received_blocks", "received_bytes", "load_failures")
-    return {"leases": load.kv_leases, "lease_expiries": load.kv_lease_expiries, **{n: t[n] for n in names}}
+    """Prefill/decode handoffs, direct path: leases, blocks and bytes sent and received, failed pulls,
+    read from the /metrics registry."""
+    load = engine.load()
+    out = {"leases": load.kv_leases, "lease_expiries": load.kv_lease_expiries}
+    for direction in ("sent", "received"):
+        for unit in ("blocks", "bytes"):
+            out[f"{direction}_{unit}"] = int(metrics.value(f"kv_transfer_{unit}_total", direction=direction))
+    out["load_failures"] = int(metrics.value("kv_load_failures_total"))
+    return out
 
 
 def _pool(state: KVState) -> dict[str, Any]:

@@ -8,7 +8,6 @@ by the request handlers.
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 from collections.abc import Iterator
@@ -191,13 +190,14 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
 
-        self.transfer_totals: collections.Counter[str] = collections.Counter()  # the dashboard's copy
-
     def kv_transferred(self, direction: str, blocks: int, nbytes: int, seconds: float) -> None:
-        self.transfer_totals.update({f"{direction}_blocks": blocks, f"{direction}_bytes": nbytes, direction: 1})
         self.kv_transfer_blocks.labels(direction).inc(blocks)
         self.kv_transfer_bytes.labels(direction).inc(nbytes)
         self.kv_transfer_seconds.labels(direction).inc(seconds)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample of this registry (0 before its first increment), as /metrics would show it."""
+        return self.registry.get_sample_value(f"kvserve:{name}", labels) or 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

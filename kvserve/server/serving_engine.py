@@ -147,7 +147,6 @@ class OpenAIServing:
             pulled = await pull_blocks(transfer, keys, self._cache_secret, info.kv_record_bytes)
         except PullFailed as e:
             self.metrics.kv_load_failures.inc()
-            self.metrics.transfer_totals["load_failures"] += 1
             if self.kv_load_failure_policy == "fail":
                 raise APIError(500, f"could not load the prompt's KV blocks: {e}", code="kv_load_failed") from e
             logger.warning("could not pull the prompt's KV blocks (%s): computing them here", e)
