@@ -151,7 +151,8 @@ class OpenAIServing:
                 raise APIError(500, f"could not load the prompt's KV blocks: {e}", code="kv_load_failed") from e
             logger.warning("could not pull the prompt's KV blocks (%s): computing them here", e)
             return
-        n = self.engine.import_kv(keys, pulled.records)
+        # every record is checksummed (a long prompt's are ~100 MB): off the event loop, which streams other tokens
+        n = await asyncio.to_thread(self.engine.import_kv, keys, pulled.records)
         self.metrics.kv_transferred("received", n, pulled.nbytes, pulled.seconds)
 
     @contextmanager
