@@ -79,6 +79,20 @@ def _replica(index: int, blocks: list[bytes] = ()) -> Replica:
     return r
 
 
+async def serve_post(path: str, handler):
+    """An aiohttp app answering POST `path` with `handler` on a free loopback port: its runner
+    (`cleanup()` stops it) and the port."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, port
+
+
 def test_another_tenants_identical_prompt_scores_no_cached_token():
     tokens = list(range(4 * BS + 3))
     holder = _replica(0, keys_of(tokens, "A"))
@@ -321,12 +335,7 @@ def test_an_upstream_event_of_hundreds_of_kib_comes_through_whole():
         return response
 
     async def relay() -> list[str]:
-        app = web.Application()
-        app.router.add_post("/", stream)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
+        runner, port = await serve_post("/", stream)
         try:
             async with ClientSession() as session:
                 response = await session.post(f"http://127.0.0.1:{port}/")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from test_router import Process, _auth, _wait_until, cached, replica_process
+from test_router import Process, _auth, _wait_until, cached, replica_process, serve_post
 from test_server_common import metrics, write_keys
 
 from kvserve.entrypoints.cluster import free_port
@@ -164,12 +164,7 @@ def test_a_failing_prefill_replica_is_retried_on_the_next_then_given_up_for_a_lo
     async def run() -> tuple[object, RouterMetrics, list[Replica]]:
         runners, replicas = [], []
         for i, handler in enumerate((error, cut)):
-            app = web.Application()
-            app.router.add_post("/v1/completions", handler)
-            runner = web.AppRunner(app)
-            await runner.setup()
-            port = free_port()
-            await web.TCPSite(runner, "127.0.0.1", port).start()
+            runner, port = await serve_post("/v1/completions", handler)
             runners.append(runner)
             r = _replica(i, "prefill")
             r.url = f"http://127.0.0.1:{port}"
