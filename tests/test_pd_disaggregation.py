@@ -212,3 +212,49 @@ def test_the_handoff_through_a_shared_redis_tier(tiny_model_dir, keys_file, redi
         for server in (prefill, decode):
             wait_idle(server.url)
         assert ("kvserve:kv_transfer_blocks_total", (("direction", "received"),)) not in metrics(decode.url)
+
+
+def test_a_pull_cut_short_releases_the_lease_at_once():
+    """The decode side's client leaves (the pull is cancelled) while the prefill replica has not answered:
+    the lease is released now, with the transfer token, not left to expire."""
+    import asyncio
+
+    from aiohttp import web
+
+    from kvserve.entrypoints.cluster import free_port
+    from kvserve.server.kv_transfer import TOKEN_HEADER, pull_blocks
+
+    released: list[tuple[dict, str | None]] = []
+    done = asyncio.Event()
+
+    async def hang(request: web.Request) -> web.Response:
+        await done.wait()
+        return web.Response()
+
+    async def release(request: web.Request) -> web.Response:
+        released.append((await request.json(), request.headers.get(TOKEN_HEADER)))
+        return web.json_response({"released": True})
+
+    async def run() -> None:
+        app = web.Application()
+        app.router.add_post("/kv_transfer/pull", hang)
+        app.router.add_post("/kv_transfer/release", release)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        params = {"remote_request_id": "cmpl-7-0", "remote_host": "127.0.0.1", "remote_port": port}
+        try:
+            pull = asyncio.ensure_future(pull_blocks(params, [b"k" * 32], b"pd-test-secret", 100))
+            await asyncio.sleep(0.3)
+            pull.cancel()
+            for _ in range(50):
+                if released:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            done.set()
+            await runner.cleanup()
+
+    asyncio.run(run())
+    assert released == [({"remote_request_id": "cmpl-7-0"}, transfer_token(b"pd-test-secret", "cmpl-7-0"))]

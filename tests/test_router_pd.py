@@ -383,3 +383,52 @@ def test_no_request_fails_when_the_prefill_replica_is_sigkilled(pd):
     m = metrics(pd.router.url)
     no_prefill = m.get(("kvserve:router_local_prefills_total", (("reason", "no_prefill_replica"),)), 0)
     assert fell_back + no_prefill >= 2
+
+
+def test_a_handoff_no_decode_replica_takes_is_released_at_once():
+    """The decode replica refuses the request (a 4xx) after a prefill replica computed the prompt: the
+    router releases that replica's lease now, with the transfer token, rather than leave it to expire."""
+    from aiohttp import web
+
+    from kvserve.server.kv_transfer import TOKEN_HEADER, transfer_token
+
+    released: list[tuple[dict, str | None]] = []
+
+    async def release(request: web.Request) -> web.Response:
+        released.append((await request.json(), request.headers.get(TOKEN_HEADER)))
+        return web.json_response({"released": True})
+
+    async def refuse(request: web.Request) -> web.Response:
+        return web.json_response({"error": {"message": "no", "type": "invalid_request_error"}}, status=400)
+
+    async def run() -> int:
+        release_runner, release_port = await serve_post("/kv_transfer/release", release)
+        params = {"do_remote_prefill": True, "remote_request_id": "cmpl-9-0", "remote_host": "127.0.0.1"}
+
+        async def prefill(request: web.Request) -> web.Response:
+            return web.json_response({"choices": [], "kv_transfer_params": {**params, "remote_port": release_port}})
+
+        runners = [release_runner]
+        replicas = []
+        for i, (role, handler) in enumerate((("prefill", prefill), ("decode", refuse))):
+            runner, port = await serve_post("/v1/completions", handler)
+            runners.append(runner)
+            r = _replica(i, role)
+            r.url = f"http://127.0.0.1:{port}"
+            replicas.append(r)
+        proxy, _ = _proxy(replicas)
+        await proxy.start()
+        try:
+            response = await proxy.forward(_request(list(range(20 * BS + 5))))
+            for _ in range(50):
+                if released:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await proxy.close()
+            for runner in runners:
+                await runner.cleanup()
+        return response.status_code
+
+    assert asyncio.run(run()) == 400
+    assert released == [({"remote_request_id": "cmpl-9-0"}, transfer_token(SECRET.encode(), "cmpl-9-0"))]

@@ -43,6 +43,7 @@ from kvserve.router.replicas import Flight, Replica, ReplicaSet
 from kvserve.router.request import RoutedRequest, block_keys, client_salt
 from kvserve.router.tokenizer import RouterTokenizer
 from kvserve.server.errors import APIError
+from kvserve.server.kv_transfer import release_in_background
 from kvserve.server.sse import DONE, EventSourceResponse
 
 PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -188,22 +189,28 @@ class Proxy:
         exclude: set[int] = set()
         last: Reply | None = None
         handoff: Handoff | None = None
-        while (decision := self.choose(request, exclude)) is not None:
-            r = decision.replica
-            if handoff is None:
-                handoff = await self._handoff(request, decision)
-            decision = _decoding(decision, request, handoff)
-            try:
-                response = await self._post(decision, request, handoff.apply(request.body))
-            except Retry as e:
-                exclude.add(r.index)
-                last = e.response or last
-                self.metrics.retries.labels(e.reason).inc()
-                continue
-            except Refused as e:
-                return _passed_on(e.response, decision)
-            self._record_usage(decision, request, json.loads(response.body).get("usage"))
-            return _passed_on(response, decision)
+        try:
+            while (decision := self.choose(request, exclude)) is not None:
+                r = decision.replica
+                if handoff is None:
+                    handoff = await self._handoff(request, decision)
+                decision = _decoding(decision, request, handoff)
+                try:
+                    response = await self._post(decision, request, handoff.apply(request.body))
+                except Retry as e:
+                    exclude.add(r.index)
+                    last = e.response or last
+                    self.metrics.retries.labels(e.reason).inc()
+                    continue
+                except Refused as e:
+                    self._give_up(handoff)
+                    return _passed_on(e.response, decision)
+                self._record_usage(decision, request, json.loads(response.body).get("usage"))
+                return _passed_on(response, decision)
+        except asyncio.CancelledError:  # the client left
+            self._give_up(handoff)
+            raise
+        self._give_up(handoff)
         return _passed_on(last, None) if last is not None else _unavailable()
 
     async def _post(self, decision: Decision, request: RoutedRequest, body: dict[str, Any]) -> Reply:
@@ -292,6 +299,12 @@ class Proxy:
             self.metrics.local_prefills.labels("fallback").inc()
         return LOCAL
 
+    def _give_up(self, handoff: Handoff | None) -> None:
+        """No decode replica answered with the handed-off prompt: the prefill replica's lease is released
+        now (a decode replica that did pull released it already; releasing twice is harmless)."""
+        if handoff is not None and handoff.params is not None:
+            release_in_background(handoff.params, self.secret)
+
     # streams
 
     async def _stream(self, request: RoutedRequest) -> Response:
@@ -300,22 +313,28 @@ class Proxy:
         exclude: set[int] = set()
         last: Reply | None = None
         handoff: Handoff | None = None
-        while (decision := self.choose(request, exclude)) is not None:
-            if handoff is None:
-                handoff = await self._handoff(request, decision)
-            decision = _decoding(decision, request, handoff)
-            try:
-                upstream, first = await self._open(decision, request, PATHS[request.kind], handoff.apply(body))
-            except Retry as e:
-                exclude.add(decision.replica.index)
-                last = e.response or last
-                self.metrics.retries.labels(e.reason).inc()
-                continue
-            except Refused as e:
-                return _passed_on(e.response, decision)
-            relay = Relay(upstream, first)
-            events = self._relay(request, progress, relay, exclude)
-            return RelayResponse(events, relay, self._release, _routing_headers(decision))
+        try:
+            while (decision := self.choose(request, exclude)) is not None:
+                if handoff is None:
+                    handoff = await self._handoff(request, decision)
+                decision = _decoding(decision, request, handoff)
+                try:
+                    upstream, first = await self._open(decision, request, PATHS[request.kind], handoff.apply(body))
+                except Retry as e:
+                    exclude.add(decision.replica.index)
+                    last = e.response or last
+                    self.metrics.retries.labels(e.reason).inc()
+                    continue
+                except Refused as e:
+                    self._give_up(handoff)
+                    return _passed_on(e.response, decision)
+                relay = Relay(upstream, first)  # its first event: the decode replica has pulled the blocks
+                events = self._relay(request, progress, relay, exclude)
+                return RelayResponse(events, relay, self._release, _routing_headers(decision))
+        except asyncio.CancelledError:  # the client left
+            self._give_up(handoff)
+            raise
+        self._give_up(handoff)
         return _passed_on(last, None) if last is not None else _unavailable()
 
     async def _open(

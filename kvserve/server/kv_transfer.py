@@ -19,6 +19,7 @@ records (namespace, key, shape, checksum): bytes as stored, checked on arrival.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import time
@@ -32,10 +33,12 @@ from pydantic import BaseModel, Field
 from kvserve.engine.client import EngineClient
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.prefix_cache import extra_key
+from kvserve.logger import logger
 from kvserve.server.errors import APIError
 
 TOKEN_HEADER = "X-KV-Transfer-Token"
 PULL_TIMEOUT = 30.0
+RELEASE_TIMEOUT = 5.0
 
 router = APIRouter()
 
@@ -98,6 +101,39 @@ class PullFailed(RuntimeError):
     """The prefill replica could not be reached, refused, or sent something unreadable."""
 
 
+def _endpoint(params: dict[str, Any]) -> tuple[str, str]:
+    """The lease's request id and the prefill replica's base URL, from its `kv_transfer_params`."""
+    try:
+        request_id, host, port = str(params["remote_request_id"]), params["remote_host"], int(params["remote_port"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise PullFailed(f"kv_transfer_params lacks {e}") from e
+    return request_id, f"http://{host}:{port}"
+
+
+async def release_lease(params: dict[str, Any], secret: bytes) -> None:
+    """Frees a lease no decode replica will pull (its request aborted or failed first) now, not when it
+    runs out. Best effort: a prefill replica that cannot be told still frees the blocks at expiry."""
+    try:
+        request_id, base = _endpoint(params)
+        headers = {TOKEN_HEADER: transfer_token(secret, request_id)}
+        body = {"remote_request_id": request_id}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=RELEASE_TIMEOUT)) as session:
+            async with session.post(f"{base}/kv_transfer/release", json=body, headers=headers) as r:
+                await r.read()
+    except (PullFailed, aiohttp.ClientError, TimeoutError) as e:
+        logger.info("could not release a KV lease (%s): it expires instead", e)
+
+
+_releasing: set[asyncio.Task] = set()  # the loop keeps only weak references to tasks
+
+
+def release_in_background(params: dict[str, Any], secret: bytes) -> None:
+    """`release_lease` without waiting for it: called as a request is cancelled or given up."""
+    task = asyncio.ensure_future(release_lease(params, secret))
+    _releasing.add(task)
+    task.add_done_callback(_releasing.discard)
+
+
 @dataclass
 class Pulled:
     records: list[memoryview]
@@ -107,21 +143,22 @@ class Pulled:
 
 async def pull_blocks(params: dict[str, Any], keys: list[bytes], secret: bytes, record_bytes: int) -> Pulled:
     """The records of `keys`' leading run from the prefill replica `params` names; the lease is released."""
-    try:
-        request_id, host, port = str(params["remote_request_id"]), params["remote_host"], int(params["remote_port"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise PullFailed(f"kv_transfer_params lacks {e}") from e
+    request_id, base = _endpoint(params)
     body = {"remote_request_id": request_id, "block_keys": [k.hex() for k in keys], "release": True}
     start = time.perf_counter()
     # aiohttp: its C parser reads a body of many MB several times faster than httpx's h11
     timeout = aiohttp.ClientTimeout(total=PULL_TIMEOUT)
     try:
         async with aiohttp.ClientSession(timeout=timeout) as session:
-            url, headers = f"http://{host}:{port}/kv_transfer/pull", {TOKEN_HEADER: transfer_token(secret, request_id)}
+            url, headers = f"{base}/kv_transfer/pull", {TOKEN_HEADER: transfer_token(secret, request_id)}
             async with session.post(url, json=body, headers=headers) as response:
                 data = await response.read()
                 status = response.status
-    except (aiohttp.ClientError, TimeoutError) as e:
+    except (aiohttp.ClientError, TimeoutError, asyncio.CancelledError) as e:
+        # cut, timed out or the client left: the pull that releases may never have arrived
+        release_in_background(params, secret)
+        if isinstance(e, asyncio.CancelledError):
+            raise
         raise PullFailed(f"{type(e).__name__}: {e}") from e
     if status != 200:
         raise PullFailed(f"HTTP {status}: {data[:200]!r}")
