@@ -300,3 +300,29 @@ class BlockAccounting(RuleBasedStateMachine):
 
 BlockAccounting.TestCase.settings = settings(max_examples=75, stateful_step_count=30, deadline=None)
 TestBlockAccounting = BlockAccounting.TestCase
+
+
+@pytest.mark.parametrize("kind", ["radix", "hash"])
+def test_a_lease_being_read_neither_expires_nor_frees_until_the_read_ends(kind: str) -> None:
+    """A decode replica's pull reads leased blocks on its own thread: released or past its deadline
+    meanwhile, the lease keeps its blocks until the read ends, then the next expiry frees them."""
+    from kvserve.kv_cache.kv_cache_manager import make_prefix_cache
+
+    kv = KVCacheManager(num_blocks=8, block_size=4, prefix_cache=make_prefix_cache(kind, 4))
+    request = make_request("r", 13)
+    assert kv.allocate_slots(request, 13)
+    request.num_computed_tokens = 13
+    kv.cache_full_blocks(request)
+    held = kv.hold("r", request, seconds=30)
+    kv.free(request)
+    assert len(held) == 3 and kv.pool.num_used_blocks == 3
+    ids = kv.begin_read("r", request.block_keys[:2] + [b"another tenant's key"], seconds=30)
+    assert ids == held[:2]  # only the leading run of its own keys
+    assert kv.begin_read("r", [b"x"], seconds=30) == []  # no run: no read begun
+    assert kv.release("r") and kv.expire_leases(now=float("inf")) == 0
+    assert kv.pool.num_used_blocks == 3 and kv.begin_read("r", request.block_keys, seconds=30) == []
+    kv.check_integrity()
+    kv.end_read("r")
+    assert kv.expire_leases(now=0.0) == 1 and kv.num_expired_leases == 0  # released, not expired
+    assert kv.pool.num_used_blocks == 0 and not kv.leases
+    kv.check_integrity()

@@ -13,9 +13,8 @@ import asyncio
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass
-from typing import Any
 
 from kvserve.config import EngineConfig
 from kvserve.engine.client import (
@@ -51,14 +50,6 @@ class _Abort:
 
 
 @dataclass
-class _ExportKV:
-    owner: str
-    block_keys: list[bytes]
-    release: bool
-    done: asyncio.Future[memoryview]
-
-
-@dataclass
 class _ReleaseKV:
     owner: str
 
@@ -73,7 +64,7 @@ class _CaptureKVState:
     done: asyncio.Future[KVState]
 
 
-_Command = _Add | _Abort | _ExportKV | _ReleaseKV | _ResetPrefixCache | _CaptureKVState
+_Command = _Add | _Abort | _ReleaseKV | _ResetPrefixCache | _CaptureKVState
 LEASE_CHECK_SECONDS = 0.5  # how late an expired lease may be freed while the engine is idle
 
 
@@ -175,11 +166,13 @@ class AsyncLLMEngine:
         return self.engine.output_processor.groups.keys()
 
     async def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> memoryview:
-        """The records of the blocks lease `owner` holds under these keys (read between steps)."""
+        """The records of the blocks lease `owner` holds under these keys, read on a worker thread
+        while the steps go on (a prefill step on a busy replica takes up to a second)."""
         self.check_health()
-        done: asyncio.Future[memoryview] = asyncio.get_running_loop().create_future()
-        self._commands.put(_ExportKV(owner, block_keys, release, done))
-        return await done
+        body = await asyncio.to_thread(self.engine.export_kv, owner, block_keys)
+        if release:
+            self.release_kv(owner)
+        return body
 
     async def flush_kv(self) -> None:
         if self.engine.store is not None:
@@ -272,9 +265,6 @@ class AsyncLLMEngine:
                 assert self._loop is not None
                 self._loop.call_soon_threadsafe(cmd.done.set_result, self.engine.reset_prefix_cache())
                 continue
-            if isinstance(cmd, _ExportKV):
-                self._answer(cmd.done, lambda c=cmd: self.engine.export_kv(c.owner, c.block_keys, c.release))
-                continue
             if isinstance(cmd, _ReleaseKV):
                 self.engine.release_kv(cmd.owner)
                 continue
@@ -301,16 +291,6 @@ class AsyncLLMEngine:
             self._loop.call_soon_threadsafe(_put_all, deliveries)
         for hook in self.on_step:
             hook(outputs)
-
-    def _answer(self, done: asyncio.Future[Any], compute: Callable[[], Any]) -> None:
-        """Resolve `done` on the event loop with what `compute` returns or raises here."""
-        assert self._loop is not None
-        try:
-            result = compute()
-        except Exception as e:
-            self._loop.call_soon_threadsafe(lambda err=e: done.done() or done.set_exception(err))
-            return
-        self._loop.call_soon_threadsafe(lambda: done.done() or done.set_result(result))
 
     def _deliver_state(self, done: asyncio.Future[KVState], state: KVState) -> None:
         assert self._loop is not None

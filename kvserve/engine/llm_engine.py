@@ -24,6 +24,7 @@ from kvserve.kv_cache.tiers.disk import DiskTier
 from kvserve.kv_cache.tiers.handoff import HandoffTier
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
+from kvserve.kv_cache.tiers.pages import zeroed_buffer
 from kvserve.kv_cache.tiers.record import header, header_size
 from kvserve.kv_cache.tiers.redis_tier import RedisTier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
@@ -173,21 +174,24 @@ class LLMEngine:
             raise ValueError("kv_transfer_params.do_remote_decode needs n=1 and no beam search")
         return self.config.kv_lease_seconds
 
-    def export_kv(self, owner: str, block_keys: list[bytes], release: bool) -> memoryview:
+    def export_kv(self, owner: str, block_keys: list[bytes]) -> memoryview:
         """The records (as the tiers store them), end to end in one buffer, of the leading run of
-        `block_keys` that lease `owner` holds; with `release`, the lease is dropped once read.
-        The blocks are gathered straight into the buffer: one copy out of the pool."""
-        ids = self.kv.leased_blocks(owner, block_keys, self.config.kv_lease_seconds)
-        ns = self.namespace
-        head, size = header_size(ns), header_size(ns) + ns.block_nbytes
-        body = memoryview(bytearray(len(ids) * size))
-        payloads = [body[i * size + head : (i + 1) * size] for i in range(len(ids))]
-        if ids:
+        `block_keys` that lease `owner` holds. Thread-safe, and meant for another thread than the
+        steps': held blocks are never written, and the lease is kept while they are read. The
+        blocks are gathered straight into the buffer: one copy out of the pool."""
+        ids = self.kv.begin_read(owner, block_keys, self.config.kv_lease_seconds)
+        if not ids:
+            return memoryview(b"")
+        try:
+            ns = self.namespace
+            head, size = header_size(ns), header_size(ns) + ns.block_nbytes
+            body = zeroed_buffer(len(ids) * size)
+            payloads = [body[i * size + head : (i + 1) * size] for i in range(len(ids))]
             self.exporter.read_into(ids, payloads)
+        finally:
+            self.kv.end_read(owner)
         for i, (key, payload) in enumerate(zip(block_keys, payloads, strict=False)):
             body[i * size : i * size + head] = header(ns, tier_key(ns.digest, key), payload)
-        if release:
-            self.release_kv(owner)
         return body
 
     def release_kv(self, owner: str) -> bool:

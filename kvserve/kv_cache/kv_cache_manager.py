@@ -39,12 +39,16 @@ blocks under a lease (one more reference each, so they are neither evicted nor f
 until the decode replica has pulled them (`release`) or the lease runs out
 (`expire_leases`). A pull names block keys; only the leading run equal to the lease's
 own keys is served, and keys carry the tenant's salt, so another tenant's pull gets none.
+A pull reads the blocks on its own thread, not between steps (`begin_read`, `end_read`,
+under `lease_lock`, the one part of this class another thread calls): a held block is never
+written, and a lease being read neither expires nor frees its blocks until the read ends.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -146,6 +150,8 @@ class Lease:
     blocks: list[KVCacheBlock]
     block_keys: list[bytes]
     deadline: float  # time.monotonic()
+    readers: int = 0  # pulls reading its blocks now
+    released: bool = False  # released while read: freed once the last read ends
 
 
 @dataclass
@@ -191,6 +197,7 @@ class KVCacheManager:
         self.events: list[KVCacheEvent] | None = [] if events else None
         self.event_token_ids = events == "tokens"
         self.leases: dict[str, Lease] = {}  # by the prefill request's id
+        self.lease_lock = threading.Lock()  # leases are read by pulls on other threads
         self.num_expired_leases = 0
 
     @property
@@ -688,35 +695,54 @@ class KVCacheManager:
         blocks = self.block_tables[request.seq_id][: done.num_blocks]
         if blocks:
             self.pool.incr_ref(blocks)
-            self.leases[owner] = Lease(blocks, request.block_keys[: len(blocks)], time.monotonic() + seconds)
+            with self.lease_lock:
+                self.leases[owner] = Lease(blocks, request.block_keys[: len(blocks)], time.monotonic() + seconds)
         return [b.block_id for b in blocks]
 
-    def leased_blocks(self, owner: str, block_keys: list[bytes], seconds: float) -> list[int]:
-        """The ids of the leading run of `block_keys` that lease `owner` holds, renewing it."""
-        lease = self.leases.get(owner)
-        if lease is None:
-            return []
-        n = 0
-        for held, asked in zip(lease.block_keys, block_keys, strict=False):
-            if held != asked:
-                break
-            n += 1
-        lease.deadline = max(lease.deadline, time.monotonic() + seconds)
-        return [b.block_id for b in lease.blocks[:n]]
+    def begin_read(self, owner: str, block_keys: list[bytes], seconds: float) -> list[int]:
+        """The ids of the leading run of `block_keys` that lease `owner` holds, renewed and kept
+        from expiring or being freed until `end_read` (any thread; none: no `end_read`)."""
+        with self.lease_lock:
+            lease = self.leases.get(owner)
+            if lease is None or lease.released:
+                return []
+            n = 0
+            for held, asked in zip(lease.block_keys, block_keys, strict=False):
+                if held != asked:
+                    break
+                n += 1
+            lease.deadline = max(lease.deadline, time.monotonic() + seconds)
+            lease.readers += n > 0
+            return [b.block_id for b in lease.blocks[:n]]
+
+    def end_read(self, owner: str) -> None:
+        """A `begin_read` that returned blocks is done with them (any thread)."""
+        with self.lease_lock:
+            self.leases[owner].readers -= 1
 
     def release(self, owner: str) -> bool:
-        """The decode side has the blocks, or gave up: drop the lease's references."""
-        lease = self.leases.pop(owner, None)
-        if lease is not None:
-            self.pool.free_blocks(reversed(lease.blocks))
-        return lease is not None
+        """The decode side has the blocks, or gave up: drop the lease's references (now, or as the
+        last read of them ends and the engine next expires leases)."""
+        with self.lease_lock:
+            lease = self.leases.get(owner)
+            if lease is None or lease.readers:
+                if lease is not None:
+                    lease.released = True
+                return lease is not None
+            del self.leases[owner]
+        self.pool.free_blocks(reversed(lease.blocks))
+        return True
 
     def expire_leases(self, now: float) -> int:
-        expired = [owner for owner, lease in self.leases.items() if lease.deadline <= now]
-        for owner in expired:
+        """Free the leases past their deadline and those released while read; returns how many."""
+        with self.lease_lock:
+            done = [o for o, x in self.leases.items() if not x.readers and (x.released or x.deadline <= now)]
+            expired = sum(not self.leases[o].released for o in done)
+        for owner in done:
+            self.leases[owner].released = False
             self.release(owner)
-        self.num_expired_leases += len(expired)
-        return len(expired)
+        self.num_expired_leases += expired
+        return len(done)
 
     @property
     def num_leased_blocks(self) -> int:
