@@ -258,3 +258,17 @@ def test_a_pull_cut_short_releases_the_lease_at_once():
 
     asyncio.run(run())
     assert released == [({"remote_request_id": "cmpl-7-0"}, transfer_token(b"pd-test-secret", "cmpl-7-0"))]
+
+
+def test_a_replica_of_role_both_given_a_handoff_computes_the_prompt_and_releases_the_lease(replicas):
+    """Only --role decode takes handed-off blocks (a replica of role both keeps no room for them): a
+    replica of role both computes the prompt itself, and the prefill replica's lease is released at
+    once rather than pulled for nothing or held until it expires."""
+    single, prefill, decode = replicas
+    path, body = request_body(6 * BLOCK + 3, chat=False, stream=False, seed=41)
+    expected, _ = text_of(post(decode, path, body, key="key-b"), False, False)  # another tenant: shares nothing
+    params = prefill_call(prefill, path, body)
+    got, use = text_of(post(single, path, {**body, "kv_transfer_params": params}), False, False)
+    assert got == expected and use["prompt_tokens_details"]["cached_tokens"] == 0
+    wait_idle(prefill.url, timeout=5)  # well before the lease's 30 s
+    assert metrics(prefill.url)[("kvserve:kv_lease_expiries_total", ())] == 0

@@ -17,7 +17,7 @@ from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.server.async_utils import merge_async_iterators
 from kvserve.server.auth import cache_salt
 from kvserve.server.errors import APIError, bad_request, value_error
-from kvserve.server.kv_transfer import PullFailed, handoff_keys, pull_blocks
+from kvserve.server.kv_transfer import PullFailed, handoff_keys, pull_blocks, release_in_background
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.protocol import (
     ChatCompletionMessageParam,
@@ -115,7 +115,10 @@ class OpenAIServing:
     ) -> AsyncIterator[RequestOutput]:
         transfer = (getattr(params, "extra_args", None) or {}).get("kv_transfer_params") or {}
         if transfer.get("do_remote_prefill") and transfer.get("kv_path") != "redis":
-            await self._pull_prefix(prompt, salt, transfer)
+            if self.engine.replica_info.role == "decode":
+                await self._pull_prefix(prompt, salt, transfer)
+            else:  # no room kept for handed-off blocks: computed here, the prefill replica's lease let go
+                release_in_background(transfer, self._cache_secret)
         first = True
         async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=salt)) as outputs:
             async for out in outputs:
