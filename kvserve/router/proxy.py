@@ -24,7 +24,7 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +79,10 @@ class Refused(Exception):
     def __init__(self, response: Reply):
         super().__init__(response.status)
         self.response = response
+
+
+# one try of a request on the replica decided, with the prompt's way there: its answer, or Retry / Refused
+Attempt = Callable[[Decision, Handoff], Awaitable[Response]]
 
 
 class Upstream:
@@ -186,27 +190,34 @@ class Proxy:
     # whole responses
 
     async def _complete(self, request: RoutedRequest) -> Response:
+        async def attempt(decision: Decision, handoff: Handoff) -> Response:
+            response = await self._post(decision, request, handoff.apply(request.body))
+            self._record_usage(decision, request, json.loads(response.body).get("usage"))
+            return _passed_on(response, decision)
+
+        return await self._route(request, attempt)
+
+    async def _route(self, request: RoutedRequest, attempt: Attempt) -> Response:
+        """Replica after replica until `attempt` gets an answer from one: a `Retry` tries the next, a
+        `Refused` is the client's answer. With P/D the prompt is handed off once, for every attempt; a
+        handoff no replica took is released."""
         exclude: set[int] = set()
         last: Reply | None = None
         handoff: Handoff | None = None
         try:
             while (decision := self.choose(request, exclude)) is not None:
-                r = decision.replica
                 if handoff is None:
                     handoff = await self._handoff(request, decision)
                 decision = _decoding(decision, request, handoff)
                 try:
-                    response = await self._post(decision, request, handoff.apply(request.body))
+                    return await attempt(decision, handoff)
                 except Retry as e:
-                    exclude.add(r.index)
+                    exclude.add(decision.replica.index)
                     last = e.response or last
                     self.metrics.retries.labels(e.reason).inc()
-                    continue
                 except Refused as e:
                     self._give_up(handoff)
                     return _passed_on(e.response, decision)
-                self._record_usage(decision, request, json.loads(response.body).get("usage"))
-                return _passed_on(response, decision)
         except asyncio.CancelledError:  # the client left
             self._give_up(handoff)
             raise
@@ -310,32 +321,19 @@ class Proxy:
     async def _stream(self, request: RoutedRequest) -> Response:
         progress = StreamProgress(request, self.tokenizer)
         body = upstream_body(request)
-        exclude: set[int] = set()
-        last: Reply | None = None
-        handoff: Handoff | None = None
-        try:
-            while (decision := self.choose(request, exclude)) is not None:
-                if handoff is None:
-                    handoff = await self._handoff(request, decision)
-                decision = _decoding(decision, request, handoff)
-                try:
-                    upstream, first = await self._open(decision, request, PATHS[request.kind], handoff.apply(body))
-                except Retry as e:
-                    exclude.add(decision.replica.index)
-                    last = e.response or last
-                    self.metrics.retries.labels(e.reason).inc()
-                    continue
-                except Refused as e:
-                    self._give_up(handoff)
-                    return _passed_on(e.response, decision)
-                relay = Relay(upstream, first)  # its first event: the decode replica has pulled the blocks
-                events = self._relay(request, progress, relay, exclude)
-                return RelayResponse(events, relay, self._release, _routing_headers(decision))
-        except asyncio.CancelledError:  # the client left
-            self._give_up(handoff)
-            raise
-        self._give_up(handoff)
-        return _passed_on(last, None) if last is not None else _unavailable()
+        exclude: set[int] = set()  # the replicas a migration of this stream must not go back to
+
+        async def attempt(decision: Decision, handoff: Handoff) -> Response:
+            try:
+                upstream, first = await self._open(decision, request, PATHS[request.kind], handoff.apply(body))
+            except Retry:
+                exclude.add(decision.replica.index)
+                raise
+            relay = Relay(upstream, first)  # its first event: the decode replica has pulled the blocks
+            events = self._relay(request, progress, relay, exclude)
+            return RelayResponse(events, relay, self._release, _routing_headers(decision))
+
+        return await self._route(request, attempt)
 
     async def _open(
         self, decision: Decision, request: RoutedRequest, path: str, body: dict[str, Any]
