@@ -28,14 +28,7 @@ CALL_BOUND = 2.0  # seconds: a dead shard costs one bounded timeout per call, no
 
 @pytest.fixture(scope="module")
 def cluster():
-    servers = RedisClusterServers()
-    yield servers
-    servers.close()
-
-
-@pytest.fixture
-def fresh_cluster():
-    """A cluster of the test's own, for tests that kill a master."""
+    """One cluster for the module's tests that kill nothing (`redis_cluster`: one of a test's own)."""
     servers = RedisClusterServers()
     yield servers
     servers.close()
@@ -138,15 +131,15 @@ def timed(call):
     return result
 
 
-def test_a_dead_shard_misses_alone_and_its_breaker_opens(fresh_cluster, monkeypatch):
-    tier = RedisClusterTier(fresh_cluster.url(), NS, breaker=lambda: CircuitBreaker(cooldown=60.0))
+def test_a_dead_shard_misses_alone_and_its_breaker_opens(redis_cluster, monkeypatch):
+    tier = RedisClusterTier(redis_cluster.url(), NS, breaker=lambda: CircuitBreaker(cooldown=60.0))
     items = blocks(60)
     keys = [k for k, _ in items]
     tier.put(items)
-    dead_port = fresh_cluster.ports[1]
+    dead_port = redis_cluster.ports[1]
     dead = {k for k in keys if tier.shard_of(k) == f"127.0.0.1:{dead_port}"}
     assert 0 < len(dead) < len(keys)
-    fresh_cluster.kill(1)
+    redis_cluster.kill(1)
     for _ in range(3):
         got = timed(lambda: tier.get(keys))
         assert all((p is None) == (k in dead) for k, p in zip(keys, got, strict=True))
