@@ -220,7 +220,7 @@ class RedisClusterTier(KVTier):
         if cluster is None:
             return out
         redirects: list[tuple[int, AskError]] = []
-        groups = list(self._by_node(cluster, [(i, n) for i, n in enumerate(names)]).values())
+        groups = list(self._by_node(cluster, names).values())
         for node, idx in groups:
             for i in idx:
                 shards[i] = self._shard(node.name)
@@ -234,9 +234,9 @@ class RedisClusterTier(KVTier):
             self._follow(cluster, names, command, redirects, out, shards)
         return out
 
-    def _by_node(self, cluster: RedisCluster, names: list[tuple[int, bytes]]) -> dict[str, _Group]:
+    def _by_node(self, cluster: RedisCluster, names: list[bytes]) -> dict[str, _Group]:
         groups: dict[str, _Group] = {}
-        for i, name in names:
+        for i, name in enumerate(names):
             try:
                 node = cluster.nodes_manager.get_node_from_slot(key_slot(name))
             except RedisClusterException:  # a slot no master serves now: a miss, and a map to refresh
