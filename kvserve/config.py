@@ -13,6 +13,7 @@ from pathlib import Path
 DEFAULT_MODEL = "smollm2-135m"
 ROLES = ("both", "prefill", "decode")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # int8 comes later (issue #49)
+KV_REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
 
@@ -56,7 +57,9 @@ class EngineConfig:
     kv_host_memory: str | int | None = None  # default: off on a CPU (the pool is host RAM), 4GiB on an accelerator
     kv_disk_dir: str | None = None  # default: <cache root>/kv
     kv_disk_size: str | int | None = None  # default: $KVSERVE_KV_DISK_SIZE, else 2GiB
-    kv_remote: str | None = None  # redis://[:password@]host:port/db, or rediss://
+    # redis://[:password@]host:port/db or rediss://; a cluster: redis+cluster://[user:password@]host:port[,host:port...]
+    # or rediss+cluster://
+    kv_remote: str | None = None
     kv_write_policy: str = "write_back"  # or write_through (SGLang's names)
     # KV events (kv_events/), in vLLM's wire format; None: none published
     kv_events_endpoint: str | None = None  # e.g. tcp://*:5557 (bound; a host without * is connected to)
@@ -85,8 +88,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and parse_memory(value, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {value!r}")
-        if self.kv_remote is not None and not self.kv_remote.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"kv_remote must be a redis://, rediss:// or unix:// URL, got {self.kv_remote!r}")
+        if self.kv_remote is not None and not self.kv_remote.startswith(KV_REMOTE_SCHEMES):
+            raise ValueError(f"kv_remote must be a {', '.join(KV_REMOTE_SCHEMES)} URL, got {self.kv_remote!r}")
         if self.kv_write_policy not in ("write_back", "write_through"):
             raise ValueError(f"kv_write_policy must be 'write_back' or 'write_through', got {self.kv_write_policy!r}")
         self._check_kv_events()

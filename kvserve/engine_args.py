@@ -21,6 +21,8 @@ _ENGINE_HELP = {
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",
     "prefix_cache": "radix (RadixAttention tree) | hash (chained block hashes)",
+    "kv_remote": "the KV tier replicas share: redis://[[user]:password@]host:port/db (rediss:// for TLS), or a "
+    "Redis / Valkey Cluster, redis+cluster://[user:password@]host:port[,host:port...] (rediss+cluster:// for TLS)",
     "disable_hybrid_kv_cache_manager": "sliding-window models: one block table for every layer, each keeping "
     "its whole history (no window blocks released); the baseline of `kvserve bench window`",
     "kv_events_endpoint": "publish KV events (vLLM's format) on this ZMQ address, e.g. tcp://*:5557",

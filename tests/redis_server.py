@@ -32,9 +32,9 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server on 127.0.0.1, no persistence; `args` are extra config (e.g. "--requirepass", "pw")."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, port: int | None = None) -> None:
         self.args = list(args)
-        self.port = free_port()
+        self.port = port or free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="kvserve-redis-"))
         self.proc: subprocess.Popen | None = None
         self.start()

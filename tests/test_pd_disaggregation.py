@@ -194,8 +194,10 @@ def test_a_decode_replica_refuses_to_prefill_for_others(replicas):
     assert r.status_code == 400 and "role is decode" in error_of(r)["message"]
 
 
-def test_the_handoff_through_a_shared_redis_tier(tiny_model_dir, keys_file, redis_server):
-    common = [*TINY_ARGS, *SECRET, "--api-keys", str(keys_file), "--kv-remote", redis_server.url()]
+@pytest.mark.parametrize("store", ["redis_server", "redis_cluster"])
+def test_the_handoff_through_a_shared_redis_tier(tiny_model_dir, keys_file, store, request):
+    url = request.getfixturevalue(store).url()
+    common = [*TINY_ARGS, *SECRET, "--api-keys", str(keys_file), "--kv-remote", url]
     with (
         ServerThread(tiny_model_dir, *TINY_ARGS, *SECRET, "--api-keys", str(keys_file)) as single,
         ServerThread(tiny_model_dir, *common, "--role", "prefill") as prefill,

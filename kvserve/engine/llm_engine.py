@@ -26,7 +26,7 @@ from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
 from kvserve.kv_cache.tiers.pages import zeroed_buffer
 from kvserve.kv_cache.tiers.record import header, header_size
-from kvserve.kv_cache.tiers.redis_tier import RedisTier
+from kvserve.kv_cache.tiers.remote import remote_tier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
 from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
 from kvserve.layers.sampler import Sampler
@@ -355,7 +355,7 @@ def make_kv_store(
     on_events: EventSink | None = None,
     handoff_bytes: int = 0,
 ) -> TieredKVStore | None:
-    """The tiers the config turns on, in order: host RAM, disk, Redis, and on a decode replica
+    """The tiers the config turns on, in order: host RAM, disk, Redis (or a Redis Cluster), and on a decode replica
     the blocks pulled from prefill replicas; None if none is."""
     host = config.kv_host_bytes(on_accelerator)
     disk = config.kv_disk_bytes()
@@ -370,7 +370,7 @@ def make_kv_store(
     if disk:
         tiers.append(DiskTier(config.kv_disk_path(), disk, namespace))
     if config.kv_remote:
-        tiers.append(RedisTier(config.kv_remote, namespace))
+        tiers.append(remote_tier(config.kv_remote, namespace))
     if handoff_bytes:
         tiers.append(HandoffTier(handoff_bytes))
     logger.info("KV tiers: %s (%s)", ", ".join(t.name for t in tiers), config.kv_write_policy)

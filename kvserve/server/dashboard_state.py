@@ -11,6 +11,7 @@ from typing import Any
 
 from kvserve.engine.client import EngineClient, EngineDeadError
 from kvserve.engine.kv_state import KVState
+from kvserve.kv_cache.tiers.base import ShardSnapshot
 from kvserve.kv_cache.tiers.store import TierSnapshot
 from kvserve.server.dashboard_history import DashboardHistory, histogram_totals
 from kvserve.server.errors import APIError
@@ -101,4 +102,16 @@ def _tier(t: TierSnapshot, block_size: int) -> dict[str, Any]:
         "hits": t.served_blocks * block_size,
         "stored_blocks": t.stored_blocks,
         "breaker_state": t.breaker_state,
+        "shards": [_shard(s, block_size) for s in t.shards],
+    }
+
+
+def _shard(s: ShardSnapshot, block_size: int) -> dict[str, Any]:
+    return {
+        "name": s.name,
+        "queries": s.queries * block_size,  # tokens, as kvserve:kv_tier_shard_queries
+        "hits": s.hits * block_size,
+        "read_bytes": s.read_bytes,
+        "errors": sum(s.errors.values()),
+        "breaker_state": s.breaker_state,
     }

@@ -69,7 +69,7 @@ class EngineCollector(Collector):
 
 
 def _tier_metrics(tiers: list[TierSnapshot], block_size: int) -> Iterator[Metric]:
-    """One series per configured tier (label `tier`: host, disk, redis)."""
+    """One series per configured tier (label `tier`: host, disk, redis, redis-cluster)."""
     counters = {
         "kv_tier_queries": ("Tokens looked up in the tier.", lambda t: t.queried_blocks * block_size),
         "kv_tier_hits": ("Tokens the tier delivered to requests.", lambda t: t.served_blocks * block_size),
@@ -103,6 +103,37 @@ def _tier_metrics(tiers: list[TierSnapshot], block_size: int) -> Iterator[Metric
         latency.add_metric([t.name], buckets, t.load_seconds.total)
     yield errors
     yield latency
+    yield from _shard_metrics(tiers, block_size)
+
+
+def _shard_metrics(tiers: list[TierSnapshot], block_size: int) -> Iterator[Metric]:
+    """One series per shard of a sharded tier (label `shard`: a Redis Cluster master's host:port);
+    families of their own, so that summing a tier's series never counts a block twice."""
+    counters = {
+        "kv_tier_shard_queries": ("Tokens looked up on the shard.", lambda s: s.queries * block_size),
+        "kv_tier_shard_hits": ("Tokens found on the shard.", lambda s: s.hits * block_size),
+        "kv_tier_shard_read_bytes": ("Bytes read from the shard.", lambda s: s.read_bytes),
+        "kv_tier_shard_written_bytes": ("Bytes written to the shard.", lambda s: s.written_bytes),
+    }
+    for name, (doc, value) in counters.items():
+        family = CounterMetricFamily(f"kvserve:{name}", doc, labels=["tier", "shard"])
+        for t in tiers:
+            for s in t.shards:
+                family.add_metric([t.name, s.name], value(s))
+        yield family
+    state = GaugeMetricFamily(
+        "kvserve:kv_tier_shard_breaker_state", "0 closed, 1 open (shard aside), 2 half-open.", labels=["tier", "shard"]
+    )
+    errors = CounterMetricFamily(
+        "kvserve:kv_tier_shard_errors", "Shard errors, by kind.", labels=["tier", "shard", "kind"]
+    )
+    for t in tiers:
+        for s in t.shards:
+            state.add_metric([t.name, s.name], s.breaker_state)
+            for kind, n in sorted(s.errors.items()):
+                errors.add_metric([t.name, s.name, kind], n)
+    yield state
+    yield errors
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

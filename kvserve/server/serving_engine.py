@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from kvserve.engine.client import EngineClient, QueueFullError
+from kvserve.kv_cache.tiers.base import SHARED_TIERS
 from kvserve.logger import logger
 from kvserve.outputs import CompletionOutput, Logprob, RequestOutput
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
@@ -122,7 +123,7 @@ class OpenAIServing:
         first = True
         async with aclosing(self.engine.generate(prompt, params, request_id, cache_salt=salt)) as outputs:
             async for out in outputs:
-                if out.kv_transfer_params is not None and "redis" in self.engine.replica_info.kv_tiers:
+                if out.kv_transfer_params is not None and set(SHARED_TIERS) & set(self.engine.replica_info.kv_tiers):
                     out.kv_transfer_params = await self._hand_off_through_redis(out)
                 if first:
                     first = False

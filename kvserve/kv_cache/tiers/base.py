@@ -8,6 +8,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+SHARED_TIERS = ("redis", "redis-cluster")  # the tiers replicas share (a P/D handoff can go through them)
+
 
 @dataclass
 class TierStats:
@@ -32,6 +34,19 @@ class TierStats:
             self.errors[kind] += n
 
 
+@dataclass(frozen=True)
+class ShardSnapshot:
+    """One shard of a sharded tier (Redis Cluster: one master), for /metrics and the dashboard."""
+
+    name: str  # the master's host:port
+    queries: int  # blocks looked up there
+    hits: int
+    read_bytes: int
+    written_bytes: int
+    errors: dict[str, int]
+    breaker_state: int  # BreakerState
+
+
 class KVTier(ABC):
     """One tier. Methods are called from worker threads, so implementations are thread-safe.
 
@@ -40,7 +55,7 @@ class KVTier(ABC):
     and comes back by itself.
     """
 
-    name: str  # "host" | "disk" | "redis"
+    name: str  # "host" | "disk" | "redis" | "redis-cluster" | "handoff"
 
     def __init__(self) -> None:
         self.stats = TierStats()
@@ -76,6 +91,10 @@ class KVTier(ABC):
     def available(self) -> bool:
         """False while the tier has stepped aside after errors (circuit breaker open)."""
         return True
+
+    def shards(self) -> list[ShardSnapshot]:
+        """Per shard, for a tier spread over several (none for the others)."""
+        return []
 
     def close(self) -> None:  # noqa: B027  (most tiers hold nothing to release)
         """Release connections and threads."""

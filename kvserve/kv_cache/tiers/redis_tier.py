@@ -50,6 +50,20 @@ def redis_key(key: bytes) -> bytes:
     return KEY_PREFIX + key.hex().encode()
 
 
+def check_record(
+    ns: Namespace, key: bytes, name: bytes, value: bytes | None, bad: list[bytes], where: str
+) -> memoryview | None:
+    """The payload of Redis value `value`, or None where it is missing or bad (then `name` goes in `bad`)."""
+    if value is None:
+        return None
+    try:
+        return decode(ns, key, value)
+    except BadRecord as exc:
+        logger.debug("Redis tier %s: bad record %s (%s); deleting it", where, name.decode(), exc)
+        bad.append(name)
+        return None
+
+
 def error_kind(exc: BaseException) -> str:
     # redis-py's TimeoutError and ConnectionError are not the builtins, so test both
     if isinstance(exc, redis.exceptions.TimeoutError | TimeoutError):
@@ -128,7 +142,7 @@ class RedisTier(KVTier):
         out: list[bytes | memoryview | None] = []
         bad: list[bytes] = []
         for key, name, value in zip(keys, names, values, strict=True):
-            out.append(self._decode(key, name, value, bad))
+            out.append(check_record(self.namespace, key, name, value, bad, self._where))
         found = [p for p in out if p is not None]
         self.stats.add(queries=len(keys), hits=len(found), read_bytes=sum(len(p) for p in found))
         if bad:
@@ -179,16 +193,6 @@ class RedisTier(KVTier):
     def close(self) -> None:
         self._client.close()
         self._client.connection_pool.disconnect()
-
-    def _decode(self, key: bytes, name: bytes, value: bytes | None, bad: list[bytes]) -> memoryview | None:
-        if value is None:
-            return None
-        try:
-            return decode(self.namespace, key, value)
-        except BadRecord as exc:
-            logger.debug("Redis tier %s: bad record %s (%s); deleting it", self._where, name.decode(), exc)
-            bad.append(name)
-            return None
 
     def _memory_info(self) -> tuple[int, int | None]:
         now = time.monotonic()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvserve.kv_cache.events import DISK, HOST, BlockRemoved, BlockStored, KVCacheEvent
-from kvserve.kv_cache.tiers.base import KVTier
+from kvserve.kv_cache.tiers.base import KVTier, ShardSnapshot
 from kvserve.kv_cache.tiers.breaker import BreakerState
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
@@ -86,6 +86,7 @@ class TierSnapshot:
     errors: dict[str, int]
     breaker_state: int  # BreakerState: 0 closed, 1 open, 2 half-open
     load_seconds: LoadHistogram
+    shards: tuple[ShardSnapshot, ...] = ()  # a Redis Cluster's masters; none for the other tiers
 
 
 @dataclass
@@ -389,13 +390,14 @@ class TieredKVStore:
         snaps = []
         for tier in self.tiers:
             use, st = self.use[tier.name], tier.stats
-            state = tier.breaker.state if hasattr(tier, "breaker") else BreakerState.CLOSED
+            state = getattr(tier, "breaker_state", BreakerState.CLOSED)
             errors = dict(st.errors) | ({"load_timeout": self.errors["load_timeout"]} if tier in self.shared else {})
             hist = LoadHistogram(list(use.load_seconds.counts), use.load_seconds.total)
             snaps.append(
                 TierSnapshot(
                     tier.name, use.queried, use.served, st.read_bytes, st.written_bytes, st.stored_blocks,
                     st.dropped_writes, tier.used_bytes, tier.capacity_bytes, errors, int(state), hist,
+                    tuple(tier.shards()),
                 )
             )  # fmt: skip
         return snaps

@@ -204,25 +204,40 @@ function renderPrefix(node, p, history) {
 
 const BREAKER = ["ok", "stepped aside", "trying again"];
 
+function tierRow(prefix, cells) {
+  const tr = document.createElement("tr");
+  for (const [text, field] of cells) {
+    const td = document.createElement("td");
+    td.textContent = text;
+    if (field) td.dataset.field = `${prefix}.${field}`;
+    tr.append(td);
+  }
+  return tr;
+}
+
+// a sharded tier (Redis Cluster) gets a row per master under its own: hits, bytes read, errors, breaker
+function shardRows(t) {
+  return (t.shards || []).map((s) => tierRow(`tier.${t.name}.shard.${s.name}`, [
+    [`  shard ${s.name}`, null],
+    [`${bytes(s.read_bytes)} read, ${int(s.errors)} errors`, "read"],
+    [int(s.hits), "hits"],
+    [int(s.queries), "queries"],
+    [BREAKER[s.breaker_state] || String(s.breaker_state), "state"],
+  ]));
+}
+
 function renderTiers(node, tiers) {
   node.querySelector("table.tiers").hidden = tiers.length === 0;
-  node.querySelector("[data-tiers]").replaceChildren(...tiers.map((t) => {
-    const tr = document.createElement("tr");
-    const cells = [
+  node.querySelector("[data-tiers]").replaceChildren(...tiers.flatMap((t) => [
+    tierRow(`tier.${t.name}`, [
       [t.name, null],
       [t.capacity_bytes ? `${bytes(t.used_bytes)} of ${bytes(t.capacity_bytes)}` : bytes(t.used_bytes), "used"],
       [int(t.hits), "hits"],
       [int(t.queries), "queries"],
       [BREAKER[t.breaker_state] || String(t.breaker_state), null],
-    ];
-    for (const [text, field] of cells) {
-      const td = document.createElement("td");
-      td.textContent = text;
-      if (field) td.dataset.field = `tier.${t.name}.${field}`;
-      tr.append(td);
-    }
-    return tr;
-  }));
+    ]),
+    ...shardRows(t),
+  ]));
 }
 
 function renderRequests(node, s) {
