@@ -323,10 +323,12 @@ def test_a_prompt_through_a_prefill_replica_gives_the_cold_output(tiny_model_dir
     keys = write_keys(tmp_path / "keys.txt")
     args = [*TINY_ARGS, "--kv-cache-dtype", "int8", "--cache-secret", "s", "--api-keys", str(keys)]
     auth = {"Authorization": "Bearer key-a"}
+    fp32_args = [arg if arg != "int8" else "float32" for arg in args]
     with (
         ServerThread(tiny_model_dir, *args) as single,
         ServerThread(tiny_model_dir, *args, "--role", "prefill") as prefill,
         ServerThread(tiny_model_dir, *args, "--role", "decode") as decode,
+        ServerThread(tiny_model_dir, *fp32_args, "--role", "decode") as fp32_decode,
     ):
         assert httpx.get(f"{decode.url}/server_info").json()["kv_cache_dtype"] == "int8"
         for n in (BLOCK + 3, 5 * BLOCK + 7):
@@ -341,6 +343,11 @@ def test_a_prompt_through_a_prefill_replica_gives_the_cold_output(tiny_model_dir
             assert got["choices"][0]["text"] == want["choices"][0]["text"]
             usage = got["usage"]
             assert usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"] <= BLOCK
-        for server in (prefill, decode):
+            # a decode replica of another KV dtype finds no block it can use: it computes the prompt
+            params = httpx.post(f"{prefill.url}/v1/completions", json=handoff, headers=auth, timeout=60).json()
+            body_other = {**body, "kv_transfer_params": params["kv_transfer_params"]}
+            other = httpx.post(f"{fp32_decode.url}/v1/completions", json=body_other, headers=auth, timeout=60)
+            assert other.status_code == 200 and other.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        for server in (prefill, decode, fp32_decode):
             wait_idle(server.url)
             assert server.engine.engine.kv.pool.num_used_blocks == 0
