@@ -12,7 +12,7 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 ROLES = ("both", "prefill", "decode")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16")  # int8 comes later (issue #49)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "int8")  # int8: layers/attention/kv_quant.py
 KV_REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
 
@@ -37,7 +37,8 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     dtype: str = "auto"  # bfloat16 where the hardware multiplies it natively, else float32 on bf16-rounded weights
     # how K/V are stored; auto: bfloat16 wherever the attention kernels read it under the compute
-    # dtype, else the compute dtype, and float32 under --dtype float32 (a reference run)
+    # dtype, else the compute dtype, and float32 under --dtype float32 (a reference run); int8:
+    # asymmetric 8-bit per (token, KV head) with its scale and minimum, never chosen by auto
     kv_cache_dtype: str = "auto"
     device: str = "auto"
     block_size: int = 16

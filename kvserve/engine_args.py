@@ -15,8 +15,9 @@ from kvserve.config import EngineConfig
 _ENGINE_HELP = {
     "model": "directory, .gguf file or short name (smollm2-135m, gemma3-270m)",
     "dtype": "auto | float32 | bfloat16",
-    "kv_cache_dtype": "auto | float32 | bfloat16: how K/V are stored (auto: bfloat16 where the attention "
-    "kernels read it, float32 under --dtype float32)",
+    "kv_cache_dtype": "auto | float32 | bfloat16 | int8: how K/V are stored (auto: bfloat16 where the attention "
+    "kernels read it, float32 under --dtype float32; int8: 8 bits per value plus a scale and a minimum per "
+    "token and KV head: head_dim + 8 bytes per token and head, 1.8x bf16's tokens per GiB at head_dim 64)",
     "device": "auto | cpu | cuda",
     "kv_cache_memory": "KV pool budget, e.g. 2GiB",
     "num_kv_blocks": "exact number of KV blocks (overrides --kv-cache-memory)",

@@ -22,7 +22,7 @@ from kvserve.engine_args import engine_config
 from kvserve.entrypoints.cli import build_parser
 from kvserve.kernels.build import available
 from kvserve.layers.attention.backend import TorchAttention
-from kvserve.platforms import cpu_has_native_bf16, get_platform, resolve_kv_dtype
+from kvserve.platforms import KV_DTYPES, cpu_has_native_bf16, get_platform, resolve_kv_dtype
 from kvserve.platforms.cpu import CpuPlatform
 
 BLOCK = 16
@@ -69,10 +69,12 @@ def test_auto_on_a_cpu_without_bf16_arithmetic(monkeypatch):
         assert not isinstance(platform.attention_backend(64), TorchAttention)
 
 
-@pytest.mark.parametrize(("dtype", "kv"), [("float32", "bfloat16"), ("bfloat16", "float32")])
+@pytest.mark.parametrize(
+    ("dtype", "kv"), [("float32", "bfloat16"), ("bfloat16", "float32"), ("float32", "int8"), ("bfloat16", "int8")]
+)
 def test_a_kv_dtype_the_kernels_cannot_read_falls_back_to_the_pytorch_path(dtype, kv):
     platform = get_platform("cpu", dtype, kv)
-    assert platform.kv_dtype == getattr(torch, kv)
+    assert platform.kv_dtype == KV_DTYPES[kv]
     assert isinstance(platform.attention_backend(64), TorchAttention)
 
 
@@ -82,8 +84,9 @@ def bf16_kv_engine(model_dir: Path, dtype: str, kv: str = "bfloat16", **kwargs) 
 
 @pytest.mark.parametrize(
     ("dtype", "kv"),
-    [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", "float32")],
-    ids=["bf16-kernels", "bf16-kv-fp32-compute", "fp32-kv-bf16-compute"],  # the last two: PyTorch, casting
+    [("bfloat16", "bfloat16"), ("float32", "bfloat16"), ("bfloat16", "float32"), ("float32", "int8")],
+    # all but the first: PyTorch, casting (int8: dequantizing)
+    ids=["bf16-kernels", "bf16-kv-fp32-compute", "fp32-kv-bf16-compute", "int8-kv-fp32-compute"],
 )
 def test_greedy_outputs_do_not_depend_on_a_prefix_hit(tiny_model_dir, dtype, kv):
     if dtype == "bfloat16" and not cpu_has_native_bf16():

@@ -15,6 +15,7 @@ from kvserve.kv_cache.kv_cache_manager import BlockLoad, BlockSave
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace
 from kvserve.kv_cache.tiers.store import TieredKVStore
+from kvserve.platforms import kv_dtype_name
 
 COPIERS = [pytest.param(None, id="staged")] + [
     pytest.param(
@@ -30,6 +31,8 @@ def pool(
     layers: int, dtype: torch.dtype, seed: int, block_shape: tuple[int, int, int] = BLOCK_SHAPES[0]
 ) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
+    if dtype == torch.uint8:  # int8 K/V: rows of codes and scales, moved as any bytes
+        return [torch.randint(0, 256, (2, 12, *block_shape), generator=gen, dtype=dtype) for _ in range(layers)]
     return [torch.randn((2, 12, *block_shape), generator=gen).to(dtype) for _ in range(layers)]
 
 
@@ -40,13 +43,13 @@ def stored(caches: list[torch.Tensor], block: int) -> bytes:
 
 def host_store(caches: list[torch.Tensor], arena: bool, blocks: int = 64) -> TieredKVStore:
     """A store over host RAM alone (`blocks` of room), with block-sized arena slots or plain copies."""
-    ns = Namespace("test", str(caches[0].dtype).removeprefix("torch."), caches[0].shape[2], block_shape(caches))
+    ns = Namespace("test", kv_dtype_name(caches[0].dtype), caches[0].shape[2], block_shape(caches))
     return TieredKVStore(ns, [HostTier(blocks * ns.block_nbytes, ns.block_nbytes if arena else 0)])
 
 
 @pytest.mark.parametrize("arena", [True, False], ids=["arena", "copies"])
 @pytest.mark.parametrize("copier", COPIERS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
 @pytest.mark.parametrize("block_shape", BLOCK_SHAPES)
 def test_blocks_out_and_back_in(copier, dtype, block_shape, arena):
     caches = pool(5, dtype, 0, block_shape)

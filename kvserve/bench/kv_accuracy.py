@@ -6,7 +6,7 @@ dtype with the same weights and compute dtype; the engine's prompt-logprob path 
 the full fp32 log_softmax over the vocabulary at every position (ModelRunner's
 `prompt_logprob_rows` hook), so KL is exact, not over a top-k. Per KV dtype against the fp32-KV
 run: mean and max KL(fp32 || dtype) of the next-token distributions, top-1 agreement, and
-perplexity of the text's own next tokens. bf16 K/V against fp32 K/V is the noise floor a
+perplexity of the text's own next tokens. bf16 K/V against fp32 K/V is the noise floor the
 quantized KV dtype (int8, issue #49) is judged beside.
 """
 
@@ -25,7 +25,6 @@ from rich.table import Table
 from kvserve.config import KV_CACHE_DTYPES
 
 REFERENCE = "float32"
-PLANNED = ("int8",)  # KV dtypes issue #49 asks for that the engine does not accept yet
 # issue #49's targets: KL at most 1e-3 at 512 tokens and 2e-3 at 2,048 (longer contexts get the
 # looser bound), top-1 agreement at least 98.5%, perplexity within 0.5% of fp32 K/V
 TARGET_TOP1 = 0.985
@@ -56,16 +55,15 @@ class KVAccuracyConfig:
 class KVAccuracyResult:
     context_len: int
     kv_cache_dtype: str
-    built: bool  # False: the engine does not accept this KV dtype yet; no figures
-    positions: int = 0  # next-token distributions compared
-    kl_mean: float | None = None  # nats, mean over positions of KL(fp32 K/V || this K/V)
-    kl_max: float | None = None
-    top1_agreement: float | None = None  # share of positions whose argmax matches fp32 K/V's
-    perplexity: float | None = None  # exp(mean NLL of the text's next token)
-    reference_perplexity: float | None = None  # the fp32-KV run's
-    perplexity_rel: float | None = None  # perplexity / reference_perplexity - 1
-    seconds: float = 0.0  # prefill time of this KV dtype's runs
-    meets_targets: bool | None = None
+    positions: int  # next-token distributions compared
+    kl_mean: float  # nats, mean over positions of KL(fp32 K/V || this K/V)
+    kl_max: float
+    top1_agreement: float  # share of positions whose argmax matches fp32 K/V's
+    perplexity: float  # exp(mean NLL of the text's next token)
+    reference_perplexity: float  # the fp32-KV run's
+    perplexity_rel: float  # perplexity / reference_perplexity - 1
+    seconds: float  # prefill time of this KV dtype's runs
+    meets_targets: bool = False
 
 
 @dataclass
@@ -158,10 +156,9 @@ def run_kv_accuracy(
     """`windows`: token windows by context length (default: ShareGPT windows of each length)."""
     from kvserve import LLM
 
-    accepted = engine_kv_dtypes()
-    built = [d for d in config.kv_cache_dtypes if d in accepted and d != REFERENCE]
+    others = [d for d in config.kv_cache_dtypes if d != REFERENCE]
     engines = {}
-    for kv in (REFERENCE, *built):
+    for kv in (REFERENCE, *others):
         engines[kv] = LLM(
             model=config.model,
             dtype=config.dtype,
@@ -178,7 +175,7 @@ def run_kv_accuracy(
             tokenizer, context_len, config.num_samples, config.seed
         )
         ref_acc = _Accumulator()
-        accs = {kv: _Accumulator() for kv in (REFERENCE, *built)}
+        accs = {kv: _Accumulator() for kv in (REFERENCE, *others)}
         for i, window in enumerate(samples):
             targets = torch.tensor(window[1:])
             ref, _ = _reference(engines[REFERENCE], window)
@@ -199,15 +196,11 @@ def run_kv_accuracy(
             log(f"{context_len} tokens: window {i + 1}/{len(samples)} done")
         ref_ppl = math.exp(ref_acc.nll_sum / ref_acc.positions)
         for kv in config.kv_cache_dtypes:
-            if kv not in accs:
-                results.append(KVAccuracyResult(context_len, kv, built=False))
-                continue
             a = accs[kv]
             ppl = math.exp(a.nll_sum / a.positions)
             r = KVAccuracyResult(
                 context_len,
                 kv,
-                built=True,
                 positions=a.positions,
                 kl_mean=a.kl_sum / a.positions,
                 kl_max=a.kl_max,
@@ -234,9 +227,6 @@ def print_table(report: KVAccuracyReport, console: Console | None = None) -> Non
     for col in ("context", "KV dtype", "positions", "KL mean", "KL max", "top-1", "ppl", "ppl vs fp32", "targets"):
         table.add_column(col, justify="right")
     for r in report.results:
-        if not r.built:
-            table.add_row(str(r.context_len), r.kv_cache_dtype, "not built yet", *[""] * 6)
-            continue
         table.add_row(
             str(r.context_len),
             r.kv_cache_dtype,

@@ -404,12 +404,10 @@ def working_set_tokens(tokenizer, conversations: list[Conversation]) -> int:
 
 
 def kv_bytes_per_token(config: EngineConfig, model_config) -> int:
-    import torch
-
+    from kvserve.engine.model_runner import kv_bytes_per_token as stored_bytes
     from kvserve.platforms import get_platform
 
-    dtype = get_platform(config.device, config.dtype, config.kv_cache_dtype).kv_dtype
-    return model_config.kv_bytes_per_token(torch.empty((), dtype=dtype).element_size())
+    return stored_bytes(model_config, get_platform(config.device, config.dtype, config.kv_cache_dtype).kv_dtype)
 
 
 def pool_bytes(working_tokens: int, bytes_per_token: int, block_size: int, fraction: float = POOL_FRACTION) -> int:
@@ -877,7 +875,7 @@ def _load_pass(tier, namespace, keys: list[bytes], device, copier) -> tuple[floa
     from kvserve.kv_cache.kv_cache_manager import BlockLoad
 
     layers, _, block_size, heads, head_dim = namespace.block_shape
-    dtype = getattr(torch, namespace.kv_dtype)
+    dtype = torch.uint8 if namespace.kv_dtype == "int8" else getattr(torch, namespace.kv_dtype)
     shape = (2, LOAD_BATCH_BLOCKS, block_size, heads, head_dim)
     pool = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
     transfer = KVTransfer(pool, None, copier)  # load() touches only the pool

@@ -73,7 +73,7 @@ def held_blocks(engine: LLMEngine, seq_id: int) -> int:
 def run_mode(config: EngineConfig, prompts: list[list[int]], output_len: int, mode: str) -> tuple[WindowRun, list]:
     engine = LLMEngine(replace(config, disable_hybrid_kv_cache_manager=mode == "full"))
     cfg = engine.model_config
-    layer_bytes = cfg.kv_bytes_per_token(torch.empty((), dtype=engine.kv_dtype).element_size()) // cfg.num_hidden_layers
+    layer_bytes = engine.kv_bytes_per_token // cfg.num_hidden_layers
     block_bytes = engine.kv_config.block_bytes(layer_bytes, config.block_size)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     ids = [engine.add_request(p, params) for p in prompts]

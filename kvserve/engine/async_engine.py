@@ -32,6 +32,7 @@ from kvserve.kv_cache.tiers.namespace import tier_key
 from kvserve.kv_cache.tiers.record import BadRecord, decode, header_size
 from kvserve.logger import logger
 from kvserve.outputs import RequestOutput
+from kvserve.platforms import kv_dtype_name
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 
 
@@ -308,7 +309,7 @@ def replica_info(engine: LLMEngine) -> ReplicaInfo:
         events = KVEventsInfo(pub.endpoint, pub.replay_endpoint, pub.topic, cfg.kv_events_token_ids)
     tiers = tuple(t.name for t in engine.store.tiers if t.name != "handoff") if engine.store is not None else ()
     ns = engine.namespace
-    kv_dtype = str(engine.kv_dtype).removeprefix("torch.")
+    kv_dtype = kv_dtype_name(engine.kv_dtype)
     return ReplicaInfo(
         str(engine.model_dir),
         engine.kv.block_size,

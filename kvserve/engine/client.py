@@ -56,7 +56,7 @@ class ReplicaInfo:
     role: str = "both"  # prefill/decode disaggregation: "prefill", "decode" or "both"
     engine_id: str = ""  # names this engine in kv_transfer_params (remote_engine_id)
     kv_record_bytes: int = 0  # one block as the tiers and a handoff carry it
-    kv_cache_dtype: str = "float32"  # how K/V are stored: "float32", "bfloat16"
+    kv_cache_dtype: str = "float32"  # how K/V are stored: "float32", "bfloat16", "int8"
     kv_bytes_per_token: int = 0  # K and V of every layer, as stored
 
     @property

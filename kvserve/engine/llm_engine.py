@@ -12,7 +12,13 @@ import torch
 from kvserve.config import EngineConfig, parse_memory
 from kvserve.engine.beam_group import BEAM_SAMPLING_PARAMS, BeamGroup
 from kvserve.engine.kv_transfer import KVTransfer, block_shape
-from kvserve.engine.model_runner import ModelRunner, allocate_kv_caches, kv_cache_config, kv_slots
+from kvserve.engine.model_runner import (
+    ModelRunner,
+    allocate_kv_caches,
+    kv_bytes_per_token,
+    kv_cache_config,
+    kv_slots,
+)
 from kvserve.engine.output_processor import OutputProcessor
 from kvserve.engine.ranges import named_range
 from kvserve.engine.request import Request, RequestStatus
@@ -29,12 +35,13 @@ from kvserve.kv_cache.tiers.record import header, header_size
 from kvserve.kv_cache.tiers.remote import remote_tier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
 from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
+from kvserve.layers.attention import kv_quant
 from kvserve.layers.sampler import Sampler
 from kvserve.logger import logger
 from kvserve.models.fingerprint import model_fingerprint
 from kvserve.models.loader import load_config, load_model, resolve_model
 from kvserve.outputs import RequestOutput
-from kvserve.platforms import get_platform
+from kvserve.platforms import get_platform, kv_dtype_name
 from kvserve.sampling_params import BeamSearchParams, SamplingParams
 from kvserve.tokenizer import load_tokenizer
 
@@ -106,8 +113,8 @@ class LLMEngine:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of every layer for one token, as stored."""
-        return self.model_config.kv_bytes_per_token(torch.empty((), dtype=self.kv_dtype).element_size())
+        """K and V of every layer for one token, as stored (int8: scales included)."""
+        return kv_bytes_per_token(self.model_config, self.kv_dtype)
 
     def _num_blocks(self) -> int:
         cfg = self.config
@@ -125,7 +132,7 @@ class LLMEngine:
             cfg.block_size,
             num_blocks * cfg.block_size,
             per_token,
-            str(self.kv_dtype).removeprefix("torch."),
+            kv_dtype_name(self.kv_dtype),
             self.device,
             str(self.dtype).removeprefix("torch."),
             str(self.weight_dtype).removeprefix("torch."),
@@ -339,12 +346,13 @@ def kv_namespace(
     kv_dtype = kv_caches[0].dtype
     return Namespace(
         model_fingerprint(model_dir),
-        str(kv_dtype).removeprefix("torch."),
+        kv_dtype_name(kv_dtype),
         block_size,
         block_shape(kv_caches),
         None if weight_dtype == kv_dtype else str(weight_dtype).removeprefix("torch."),
         # K/V computed in fp32 and stored as bf16 are not the bytes bf16 compute stores
         None if compute_dtype in (None, kv_dtype) else str(compute_dtype).removeprefix("torch."),
+        kv_quant.SCHEME if kv_dtype == torch.uint8 else None,
     )
 
 

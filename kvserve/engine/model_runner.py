@@ -1,7 +1,8 @@
 """Turn a scheduler step into one flat batch, run the model once, sample.
 
 The KV cache is one preallocated tensor per layer, [2, num_blocks, block_size,
-kv_heads, head_dim]; slot = block_id * block_size + offset. Decode tokens go first
+kv_heads, head_dim] (int8: uint8 rows of head_dim + 8, each row's scale and minimum after its
+codes); slot = block_id * block_size + offset. Decode tokens go first
 in the batch (they are attended to in one batched call), prefill chunks after.
 
 With several KV groups (`kv_cache/kv_groups.py`), layers of different groups share a
@@ -23,7 +24,9 @@ from kvserve.engine.scheduler import SampledToken, ScheduledRequest, SchedulerOu
 from kvserve.kv_cache.kv_cache_manager import KVCacheManager
 from kvserve.kv_cache.kv_groups import KVCacheConfig
 from kvserve.layers.attention.backend import AttentionMetadata, LayerMetadata, PrefillSeq
+from kvserve.layers.attention.kv_quant import stored_head_dim
 from kvserve.layers.sampler import Sampler, logprob_entries
+from kvserve.models.config import ModelConfig
 from kvserve.models.interface import CausalLM
 from kvserve.platforms.interface import HostBlockCopy
 
@@ -50,9 +53,20 @@ def allocate_kv_caches(
     """One tensor per layer; with KV groups, one per slot, each shared by a layer of every group."""
     cfg = model.config
     kv_config = kv_config or KVCacheConfig.single(cfg.num_hidden_layers)
-    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+    shape = (2, num_blocks, block_size, cfg.num_key_value_heads, kv_row_dim(cfg.head_dim, dtype))
     slots = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(kv_config.num_slots)]
     return [slots[slot] for _, slot in kv_config.layer_slots()]
+
+
+def kv_row_dim(head_dim: int, kv_dtype: torch.dtype) -> int:
+    """The pool's last dimension: int8 (a uint8 pool) keeps each row's scale and minimum after its codes."""
+    return stored_head_dim(head_dim) if kv_dtype == torch.uint8 else head_dim
+
+
+def kv_bytes_per_token(cfg: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """K and V of every layer for one token, as stored (int8: scales included)."""
+    row = kv_row_dim(cfg.head_dim, kv_dtype) * kv_dtype.itemsize
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * row
 
 
 def kv_slots(kv_caches: list[torch.Tensor]) -> list[torch.Tensor]:

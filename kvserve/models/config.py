@@ -85,10 +85,6 @@ class ModelConfig:
     def has_sliding_window(self) -> bool:
         return any(w is not None for w in self.layer_windows)
 
-    def kv_bytes_per_token(self, dtype_size: int) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_size
-
     def matmul_params_per_token(self) -> int:
         """Weights every token multiplies: each layer's projections and the LM head (2 FLOPs each)."""
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim

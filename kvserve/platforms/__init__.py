@@ -10,6 +10,9 @@ from kvserve.logger import logger
 from kvserve.platforms.cpu import CpuPlatform
 from kvserve.platforms.interface import Platform
 
+# the stored dtype of each `--kv-cache-dtype` but auto; int8's pool is uint8 (codes, scale, minimum)
+KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.uint8}
+
 
 def cpu_has_native_bf16() -> bool:
     """AVX512-BF16 or AMX: bf16 matmuls run at least as fast as fp32 ones."""
@@ -57,8 +60,8 @@ def get_platform(device: str, dtype: str, kv_cache_dtype: str = "auto") -> Platf
     if not platform.reads_kv(platform.kv_dtype):
         logger.info(
             "KV cache dtype %s under %s compute: the attention kernels cannot read it, so attention runs on "
-            "the PyTorch path (it casts K/V as it reads them), without the C++ layer loop",
-            platform.kv_dtype,
+            "the PyTorch path (it casts or dequantizes K/V as it reads them), without the C++ layer loop",
+            kv_dtype_name(platform.kv_dtype),
             compute,
         )
     return platform
@@ -67,12 +70,17 @@ def get_platform(device: str, dtype: str, kv_cache_dtype: str = "auto") -> Platf
 def resolve_kv_dtype(kv_cache_dtype: str, dtype: str, platform: Platform) -> torch.dtype:
     """'auto': float32 for a reference run (dtype 'float32'); else bfloat16 where the platform's
     fastest attention path reads it under the compute dtype (half the bytes per token), else
-    the compute dtype (an AVX2 CPU computing in fp32 on the kernels)."""
+    the compute dtype (an AVX2 CPU computing in fp32 on the kernels). 'int8' is stored as
+    uint8 rows of codes, scale and minimum (layers/attention/kv_quant.py)."""
     if kv_cache_dtype == "auto":
         if dtype == "float32" or platform.dtype == torch.float16:
             return platform.dtype
         return torch.bfloat16 if platform.reads_kv(torch.bfloat16) else platform.dtype
-    choices = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if kv_cache_dtype not in choices:
-        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(choices)}; got {kv_cache_dtype!r}")
-    return choices[kv_cache_dtype]
+    if kv_cache_dtype not in KV_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of auto, {', '.join(KV_DTYPES)}; got {kv_cache_dtype!r}")
+    return KV_DTYPES[kv_cache_dtype]
+
+
+def kv_dtype_name(kv_dtype: torch.dtype) -> str:
+    """The name `--kv-cache-dtype` gives a pool's dtype: 'int8' for the uint8 pool of quantized rows."""
+    return "int8" if kv_dtype == torch.uint8 else str(kv_dtype).removeprefix("torch.")

@@ -463,7 +463,7 @@ class ServerInfoResponse(BaseModel):
     block_size: int
     num_kv_blocks: int
     kv_capacity_tokens: int
-    kv_cache_dtype: str = Field(description="how K/V are stored: float32 or bfloat16")
+    kv_cache_dtype: str = Field(description="how K/V are stored: float32, bfloat16 or int8")
     kv_bytes_per_token: int = Field(description="K and V of every layer for one token, as stored")
     max_model_len: int
     kv_events: KVEventsInfoResponse | None

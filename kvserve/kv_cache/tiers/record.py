@@ -20,7 +20,7 @@ import xxhash
 from kvserve.kv_cache.tiers.namespace import FORMAT_VERSION, Namespace
 
 MAGIC = b"KVSV"
-DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3}
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, "int8": 4}  # int8: uint8 codes with their scales
 _HEAD = struct.Struct("<4sHBB32s32s")
 _TAIL = struct.Struct("<QQ")
 

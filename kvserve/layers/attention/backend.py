@@ -21,6 +21,8 @@ from typing import Protocol, TypeAlias
 import torch
 import torch.nn.functional as F
 
+from kvserve.layers.attention.kv_quant import dequantize_kv, quantize_kv
+
 
 @dataclass
 class PrefillSeq:
@@ -105,17 +107,32 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
         k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         v: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim (int8: + 8)]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
         ...
 
 
+def to_stored(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """K or V as a pool of `kv_dtype` stores it: a uint8 pool holds int8 rows (kv_quant)."""
+    return quantize_kv(x) if kv_dtype == torch.uint8 else x.to(kv_dtype)
+
+
+def from_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Stored K or V (`to_stored`'s) back in the compute dtype."""
+    return dequantize_kv(x, dtype) if x.dtype == torch.uint8 else x.to(dtype)
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
     """Store the new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
+    store_kv(to_stored(k, kv_cache.dtype), to_stored(v, kv_cache.dtype), kv_cache, slots)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """`write_kv` of K/V already in the pool's stored form."""
     heads, dim = kv_cache.shape[-2:]
-    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k.to(kv_cache.dtype))
-    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v.to(kv_cache.dtype))
+    kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k)
+    kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
@@ -128,9 +145,10 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
 
 class TorchAttention:
     """Reference backend: SDPA over K/V gathered from the pool through block tables. K/V
-    stored in another dtype than the compute one are cast as they are read, and a chunk's own
-    new K/V are rounded to it too, so a cold prefill attends over the values a cached prefix
-    holds (the output does not depend on where the prefix came from)."""
+    stored in another dtype than the compute one are cast (int8: dequantized) as they are read,
+    and a chunk's own new K/V are taken from their stored form too, so a cold prefill attends
+    over the values a cached prefix holds (the output does not depend on where the prefix came
+    from)."""
 
     def forward(
         self,
@@ -140,9 +158,10 @@ class TorchAttention:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        k_stored, v_stored = to_stored(k, kv_cache.dtype), to_stored(v, kv_cache.dtype)
+        store_kv(k_stored, v_stored, kv_cache, meta.slot_mapping)
         if kv_cache.dtype != q.dtype:
-            k, v = k.to(kv_cache.dtype).to(q.dtype), v.to(kv_cache.dtype).to(q.dtype)
+            k, v = from_stored(k_stored, q.dtype), from_stored(v_stored, q.dtype)
         out = torch.empty_like(q)
         nd = meta.num_decode_tokens
         if nd:
@@ -154,8 +173,8 @@ class TorchAttention:
 
     @staticmethod
     def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        keys = gather_kv(kv_cache[0], meta.decode_block_tables).to(q.dtype)  # [B, Hkv, L, D]
-        values = gather_kv(kv_cache[1], meta.decode_block_tables).to(q.dtype)
+        keys = from_stored(gather_kv(kv_cache[0], meta.decode_block_tables), q.dtype)  # [B, Hkv, L, D]
+        values = from_stored(gather_kv(kv_cache[1], meta.decode_block_tables), q.dtype)
         mask = meta.decode_mask(keys.shape[-2])
         o = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
         return o.squeeze(2)
@@ -183,7 +202,7 @@ class TorchAttention:
         bs = kv_cache.shape[2]
         start = seq.first_key(bs)
         table = seq.block_table[start // bs :]
-        keys = gather_kv(kv_cache[0], table)[:, : seq.context_len - start].unsqueeze(0).to(q.dtype)
-        values = gather_kv(kv_cache[1], table)[:, : seq.context_len - start].unsqueeze(0).to(q.dtype)
+        keys = from_stored(gather_kv(kv_cache[0], table)[:, : seq.context_len - start].unsqueeze(0), q.dtype)
+        values = from_stored(gather_kv(kv_cache[1], table)[:, : seq.context_len - start].unsqueeze(0), q.dtype)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=seq.attn_bias(groups, q.dtype, start))
         return o.reshape(num_heads, n, dim).transpose(0, 1)  # CUDA SDPA may return other strides
