@@ -2,7 +2,8 @@
 kind of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
 batches past the small-batch kernel's row limit (oneDNN); in bf16 on each kernel path the
 CPU has (AMX, or the AVX512-BF16 dot products, for matmuls and prefill attention alike); in
-fp32 with the fp32 prefill kernel where the host takes it (AVX2)."""
+fp32 with the fp32 prefill kernel where the host takes it (AVX2); and on K/V stored in another
+form than the compute dtype (bf16 under fp32), written and read by the kernels in both."""
 
 from __future__ import annotations
 
@@ -74,3 +75,12 @@ def test_every_step_runs_the_loop(tiny_model_dir, dtype, monkeypatch):
     monkeypatch.setattr(type(llm.llm_engine.runner.model.layers[0]), "forward", lambda *a: pytest.fail("Python layers"))
     llm.generate([list(range(1000, 1100))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert rows == [100, 1, 1]  # the prefill, then two decodes
+
+
+@pytest.mark.parametrize(("dtype", "kv"), [("float32", "bfloat16")])
+def test_fused_loop_on_stored_kv_matches_python_layers(tmp_path, smollm2_dir, dtype, kv):
+    model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, hidden_size=128)
+    llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB", kv_cache_dtype=kv)
+    assert llm.llm_engine.runner.model.layer_loop is not None
+    assert llm.llm_engine.runner.kv_caches[0].dtype == torch.bfloat16
+    assert generate(llm, fused=True) == generate(llm, fused=False)

@@ -36,15 +36,19 @@ from kvserve.logger import logger
 from kvserve.platforms.huge_pages import move_to_huge_pages
 from kvserve.platforms.interface import Platform
 
+# The KV cache dtypes the kernels read under each compute dtype (others: only their own).
+KERNEL_KV_DTYPES = {torch.float32: (torch.float32, torch.bfloat16)}
+
 
 @dataclass
 class CpuPlatform(Platform):
     def reads_kv(self, kv_dtype: torch.dtype) -> bool:
-        # the kernels (and the C++ loop) read K/V of the compute dtype only
-        return kv_dtype == self.dtype or not available()
+        # the kernels (and the C++ loop) read K/V of the compute dtype, and bf16 under fp32
+        # (widened in registers); without them the PyTorch path casts any
+        return kv_dtype in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)) or not available()
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
-        if self.kv_dtype != self.dtype:  # the kernels cannot read it: the PyTorch path casts
+        if self.kv_dtype not in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)):  # the PyTorch path casts
             return TorchAttention()
         if paged_attention.supports(head_dim):
             supported = prefill_attention.supports(head_dim, self.dtype)
@@ -108,7 +112,7 @@ class CpuLayerLoop:
         self, x: torch.Tensor, cos_sin: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's MLP output, residual), as the Python layer loop returns them."""
-        batch = self.backend.plan(meta, x.dtype, kv_caches[0].shape[2])
+        batch = self.backend.plan(meta, x.dtype, kv_caches[0].shape[2], kv_caches[0].dtype)
         long, no_bias = batch.torch_prefills, x.new_empty(0)
         return self.loop.forward(
             x, cos_sin, kv_caches, meta.slot_mapping,

@@ -20,7 +20,9 @@
 // (flash-decoding style), so scratch does not grow with the context. Items are handed
 // out dynamically because context lengths differ and the machine may be shared. bf16
 // caches on CPUs with AVX512-BF16, and fp32 caches on AVX2, take the scores with the keys
-// along the vector lanes.
+// along the vector lanes. K/V stored in another form than q (bf16 under fp32 q, int8 rows
+// under either) are widened tile by tile into T rows in scratch (vec.h's stage_row): each row
+// once, then every query row of the item reads it there with the paths above.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,9 +57,14 @@ struct Problem {
   const T* q;
   T* out;
   int64_t q_row, q_head, out_row, out_head;  // strides of q / out [rows, heads, D]
-  const T* k;
+  const T* k;  // the rows the products read: the caches, or for staged K/V the thread's widened tile
   const T* v;
   int64_t c_block, c_token, c_head;  // strides of the K and V caches [blocks, block_size, heads, D]
+  const char* k_pool;  // the caches as stored, for the prefetches and the staging
+  const char* v_pool;
+  int64_t pool_elem, row_bytes;  // bytes of a cache element, of one (token, head) row
+  at::ScalarType kv_dtype;
+  bool staged;  // K/V are stored in another form than T
   const int64_t* tables;
   int64_t table_stride, num_blocks, block_size;
   const int64_t* query_start;  // [num_seqs] first row of each sequence in q / out
@@ -100,12 +107,18 @@ struct Scratch {
   int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
   std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
+  std::vector<float> kbuf, vbuf;  // a staged tile's K and V rows as T (float or bf16 in the space of floats)
+  std::vector<int64_t> staged;    // their offsets in kbuf / vbuf
+  const int64_t* tile = nullptr;  // the offsets the products read this tile's rows at: keys or staged
   Scratch(int64_t rows, int64_t d)
       : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows),
-        limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens) {}
+        limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens), kbuf(kTileTokens * d),
+        vbuf(kTileTokens * d), staged(kTileTokens) {}
   // Room for `rows` rows of `d` dims; what the buffers held is overwritten before it is read.
   void reserve(int64_t rows, int64_t d) {
-    if (static_cast<int64_t>(q.size()) < rows * d || static_cast<int64_t>(m.size()) < rows) *this = Scratch(rows, d);
+    if (static_cast<int64_t>(q.size()) < rows * d || static_cast<int64_t>(m.size()) < rows ||
+        static_cast<int64_t>(kbuf.size()) < kTileTokens * d)
+      *this = Scratch(std::max<int64_t>(rows, m.size()), std::max<int64_t>(d, kbuf.size() / kTileTokens));
   }
 };
 
@@ -168,20 +181,19 @@ void locate_keys(const Problem<T>& p, int64_t seq, int64_t t0, int64_t n, int64_
 // SmolLM2's 64-dim bf16 heads) filled the line-fill buffers and held the arithmetic until
 // they drained, so loads and compute hardly overlapped (spread out, a bf16 batch-128 step
 // at 500 keys took 17% less on a Xeon, an fp32 one at 32 x 800 keys 8-13% less).
-template <typename T, int D>
-void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
+template <typename T>
+void prefetch_rows(const Problem<T>& p, const char* cache, const int64_t* rows, int64_t begin, int64_t end) {
   for (int64_t t = begin; t < end; ++t)
-    for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(cache + rows[t] + d, 0, 2);
+    for (int64_t b = 0; b < p.row_bytes; b += 64) __builtin_prefetch(cache + rows[t] * p.pool_elem + b, 0, 2);
 }
 
 // Rows [begin, end) of the next tile from one cache, as far as it has keys (sc.next_n).
 // The loops ask for a fixed count each step and for the rest after the loop: folding the
 // rest into the last step's call (the same rows) made the kernel ~1.8x slower cold, for
 // reasons not found; keep the count of each step's call fixed.
-template <typename T, int D>
-void prefetch_next(const T* cache, const Scratch& sc, int64_t begin, int64_t end) {
-  prefetch_rows<T, D>(cache, sc.next_keys.data(), begin, std::min(end, sc.next_n));
+template <typename T>
+void prefetch_next(const Problem<T>& p, const char* cache, const Scratch& sc, int64_t begin, int64_t end) {
+  prefetch_rows(p, cache, sc.next_keys.data(), begin, std::min(end, sc.next_n));
 }
 
 // Rows are processed NR at a time, their queries or outputs held in registers (NR * NV
@@ -235,7 +247,7 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
   const auto* k = reinterpret_cast<const uint16_t*>(p.k);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const uint16_t* key[16];
-    for (int i = 0; i < 16; ++i) key[i] = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+    for (int i = 0; i < 16; ++i) key[i] = k + sc.tile[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
     for (int64_t r = 0; r < rows; ++r) {
       __m512bh q[NQ];
       for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
@@ -247,10 +259,10 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
       }
       _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], _mm512_mul_ps(reduce16(acc), scale));
     }
-    prefetch_next<at::BFloat16, D>(p.k, sc, t0, t0 + 16);
+    prefetch_next(p, p.k_pool, sc, t0, t0 + 16);
   }
   // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
-  prefetch_next<at::BFloat16, D>(p.k, sc, (n + 15) / 16 * 16, kTileTokens);
+  prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
 }
 
 // acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t], in fp32. A V row of 32 bf16 widens
@@ -268,8 +280,8 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
     for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(&sc.acc[(r0 + i) * D + j * 16]), alpha);
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (r0 == 0) prefetch_next<at::BFloat16, D>(p.v, sc, t, t + 1);
-    const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.keys[t]);
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 1);
+    const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.tile[t]);
     __m512 v[NV];
     for (int j = 0; j < NV / 2; ++j) {
       const __m512i x = _mm512_loadu_si512(val + j * 32);
@@ -281,7 +293,7 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
       for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pt, v[j], a[i][j]);
     }
   }
-  if (r0 == 0) prefetch_next<at::BFloat16, D>(p.v, sc, n, kTileTokens);
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, n, kTileTokens);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(&sc.acc[(r0 + i) * D + j * 16], a[i][j]);
 }
@@ -322,7 +334,7 @@ template <int D>
 void score_tile_f32(const Problem<float>& p, int64_t n, int64_t rows, Scratch& sc) {
   for (int64_t t0 = 0; t0 < n; t0 += 8) {  // the 8 keys stay in L1 for every row
     const float* key[8];
-    for (int i = 0; i < 8; ++i) key[i] = p.k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+    for (int i = 0; i < 8; ++i) key[i] = p.k + sc.tile[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
     for (int64_t r = 0; r < rows; ++r) {
       const float* q = &sc.q[r * D];  // scaled already
       __m256 acc[8];
@@ -333,9 +345,9 @@ void score_tile_f32(const Problem<float>& p, int64_t n, int64_t rows, Scratch& s
       }
       _mm256_storeu_ps(&sc.s[r * kTileTokens + t0], reduce8(acc));
     }
-    prefetch_next<float, D>(p.k, sc, t0, t0 + 8);
+    prefetch_next(p, p.k_pool, sc, t0, t0 + 8);
   }
-  prefetch_next<float, D>(p.k, sc, (n + 7) / 8 * 8, kTileTokens);
+  prefetch_next(p, p.k_pool, sc, (n + 7) / 8 * 8, kTileTokens);
 }
 #endif
 
@@ -347,8 +359,8 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
   for (int64_t t = 0; t < n; ++t) {
-    if (r0 == 0) prefetch_next<T, D>(p.k, sc, t, t + 1);
-    const T* key = p.k + sc.keys[t];
+    if (r0 == 0) prefetch_next(p, p.k_pool, sc, t, t + 1);
+    const T* key = p.k + sc.tile[t];
     fVec k[NV];
     for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
     for (int i = 0; i < NR; ++i) {
@@ -357,7 +369,7 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
     }
   }
-  if (r0 == 0) prefetch_next<T, D>(p.k, sc, n, kTileTokens);
+  if (r0 == 0) prefetch_next(p, p.k_pool, sc, n, kTileTokens);
 }
 
 template <typename T, int D>
@@ -421,8 +433,8 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
     for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (r0 == 0) prefetch_next<T, D>(p.v, sc, t, t + 1);
-    const T* val = p.v + sc.keys[t];
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 1);
+    const T* val = p.v + sc.tile[t];
     fVec v[NV];
     for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
     for (int i = 0; i < NR; ++i) {
@@ -430,7 +442,7 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
     }
   }
-  if (r0 == 0) prefetch_next<T, D>(p.v, sc, n, kTileTokens);
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, n, kTileTokens);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
 }
@@ -507,8 +519,8 @@ int64_t locate_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_
 template <typename T, int D>
 void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* rows) {
   const int64_t n = locate_first_tile(p, it, h, rows);
-  prefetch_rows<T, D>(p.k, rows, 0, n);
-  prefetch_rows<T, D>(p.v, rows, 0, n);
+  prefetch_rows(p, p.k_pool, rows, 0, n);
+  prefetch_rows(p, p.v_pool, rows, 0, n);
 }
 
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
@@ -516,11 +528,34 @@ void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* r
 // the score and sum loops), and after the last tile, the first tile of `then` (the
 // thread's next work item), so loads never wait idle. An item that is one run of several
 // leaves its state in `partial` for merge_parts.
+// The tile's n K and V rows, stored in another form than T, widened into the scratch's T rows.
+template <typename T, int D>
+void stage_tile(const Problem<T>& p, int64_t n, Scratch& sc) {
+  T* k = reinterpret_cast<T*>(sc.kbuf.data());
+  T* v = reinterpret_cast<T*>(sc.vbuf.data());
+  for (int64_t t = 0; t < n; ++t) {
+    stage_row(p.k_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, k + t * D, D);
+    stage_row(p.v_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, v + t * D, D);
+    sc.staged[t] = t * D;
+  }
+  sc.tile = sc.staged.data();
+}
+
+// What the products of a staged problem read: the thread's widened tile.
+template <typename T>
+Problem<T> staged_view(const Problem<T>& p, Scratch& sc) {
+  Problem<T> view = p;
+  view.k = reinterpret_cast<const T*>(sc.kbuf.data());
+  view.v = reinterpret_cast<const T*>(sc.vbuf.data());
+  return view;
+}
+
 template <typename T, int D>
 void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc,
                  float* partial) {
   const int64_t rows = load_queries<T, D>(p, it, h, sc);
   const auto [begin, keys] = key_range(p, it);
+  const Problem<T> c = p.staged ? staged_view(p, sc) : p;
   for (int64_t t0 = begin; t0 < keys; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, keys - t0);
     sc.next_n = 0;
@@ -529,10 +564,12 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
     } else if (then != nullptr) {
       sc.next_n = locate_first_tile(p, *then, then_h, sc.next_keys.data());
     }
-    score_tile<T, D>(p, n, rows, sc);
+    sc.tile = sc.keys.data();
+    if (p.staged) stage_tile<T, D>(p, n, sc);
+    score_tile<T, D>(c, n, rows, sc);
     mask_tile(t0, n, rows, sc);
     softmax_tile(n, rows, sc);
-    accumulate_tile<T, D>(p, n, rows, sc);
+    accumulate_tile<T, D>(c, n, rows, sc);
     std::swap(sc.keys, sc.next_keys);
   }
 #if KVSERVE_NATIVE_BF16
@@ -663,8 +700,13 @@ Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Te
   p.out = out.mutable_data_ptr<T>();
   p.q_row = q.stride(0), p.q_head = q.stride(1);
   p.out_row = out.stride(0), p.out_head = out.stride(1);
-  p.k = k_cache.const_data_ptr<T>();
-  p.v = v_cache.const_data_ptr<T>();
+  p.kv_dtype = k_cache.scalar_type();
+  p.staged = p.kv_dtype != q.scalar_type();
+  p.k_pool = static_cast<const char*>(k_cache.const_data_ptr());
+  p.v_pool = static_cast<const char*>(v_cache.const_data_ptr());
+  p.k = p.staged ? nullptr : reinterpret_cast<const T*>(p.k_pool);
+  p.v = p.staged ? nullptr : reinterpret_cast<const T*>(p.v_pool);
+  p.pool_elem = k_cache.element_size(), p.row_bytes = k_cache.size(3) * p.pool_elem;
   p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
   p.tables = tables.const_data_ptr<int64_t>();
   p.table_stride = tables.stride(0);
@@ -688,10 +730,15 @@ void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [rows, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] with equal strides");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(), "q, out and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
-              "head_dim must match and query heads must be a multiple of KV heads");
+  const at::ScalarType dtype = q.scalar_type(), kv = k_cache.scalar_type();
+  TORCH_CHECK(dtype == out.scalar_type() && kv == v_cache.scalar_type(), "q and out, and the caches, must share a dtype");
+  TORCH_CHECK(kv == dtype || (kv == at::kBFloat16 && dtype == at::kFloat) ||
+                  (kv == at::kByte && (dtype == at::kFloat || dtype == at::kBFloat16)),
+              "the caches must be of q's dtype, bf16 under fp32 q, or int8 rows (uint8) under fp32 or bf16 q; got ",
+              kv, " under ", dtype);
+  TORCH_CHECK(q.size(2) + (kv == at::kByte ? kQuantTail : 0) == k_cache.size(3) && k_cache.size(2) > 0 &&
+                  q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match (int8 rows: head_dim + 8 bytes) and query heads must be a multiple of KV heads");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
   const int64_t num_seqs = context_lens.size(0);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && query_start.numel() == num_seqs &&
