@@ -21,7 +21,7 @@ from kvserve.kernels.paged_attention import KernelRows, paged_attention
 from kvserve.kernels.write_kv import write_kv
 from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
 from kvserve.layers.attention.cpu import CpuPagedAttention
-from kvserve.layers.attention.kv_quant import dequantize_kv, quantize_kv
+from kvserve.layers.attention.kv_quant import dequantize_kv, quantize_kv, stored_head_dim
 from kvserve.platforms.cpu import CpuPlatform
 
 KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.uint8}
@@ -29,7 +29,9 @@ KV_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch
 PAIRS = [
     (torch.float32, "float32"),
     (torch.float32, "bfloat16"),
+    (torch.float32, "int8"),
     (torch.bfloat16, "bfloat16"),
+    (torch.bfloat16, "int8"),
 ]
 each_pair = pytest.mark.parametrize("dtype, kv_name", PAIRS, ids=[f"{d}-{k}".replace("torch.", "") for d, k in PAIRS])
 
@@ -130,7 +132,7 @@ def test_mixed_batch_on_the_paged_kernel(dtype, kv_name, heads, kv_heads):
 
 
 @pytest.mark.parametrize("path", PREFILL_PATHS)
-@pytest.mark.parametrize("kv_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv_name", ["float32", "bfloat16", "int8"])
 @pytest.mark.parametrize("head_dim", [64, 256])
 @pytest.mark.parametrize("heads, kv_heads", [(9, 3), (4, 4)])
 def test_prefill_kernel(path, kv_name, head_dim, heads, kv_heads):
@@ -165,6 +167,24 @@ def test_sliding_window(dtype, kv_name, window):
         assert_kernel_close(out[decodes:], ref[decodes:], dtype, path)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 256])
+def test_quantized_write_is_quantize_kv_bit_for_bit(dtype, head_dim):
+    """Rows with ties, constant rows, one outlier, tiny and huge spans: the codes, scales and minima."""
+    g = torch.Generator().manual_seed(5)
+    tokens, heads = 64, 3
+    k = torch.randn(tokens, heads, head_dim, generator=g) * torch.logspace(-6, 6, tokens).view(-1, 1, 1)
+    k[0] = 1.5  # constant rows: span 0
+    k[1, :, 0] = 1000.0  # an outlier
+    k[2] = torch.arange(head_dim).float() / 2  # codes at .5 (ties to even)
+    k, v = k.to(dtype), (-k).to(dtype)
+    cache = torch.zeros(2, tokens // 4 + 1, 4, heads, stored_head_dim(head_dim), dtype=torch.uint8)
+    slots = torch.randperm(cache.shape[1] * 4, generator=g)[:tokens]
+    write_kv(k, v, cache, slots)
+    for side, x in ((0, k), (1, v)):
+        assert torch.equal(cache[side].view(-1, heads, stored_head_dim(head_dim))[slots], quantize_kv(x))
+
+
 def test_bf16_write_rounds_to_nearest_even():
     g = torch.Generator().manual_seed(6)
     k, v = (torch.randn(40, 2, 64, generator=g) for _ in range(2))
@@ -186,7 +206,7 @@ def test_kernels_refuse_what_they_cannot_read():
         write_kv(q.float()[:, :2], q.float()[:, :2], cache.half(), one - 1)
 
 
-READABLE = {torch.float32: [torch.float32, torch.bfloat16], torch.bfloat16: [torch.bfloat16]}
+READABLE = {torch.float32: [torch.float32, torch.bfloat16, torch.uint8], torch.bfloat16: [torch.bfloat16, torch.uint8]}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

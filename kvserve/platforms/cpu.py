@@ -36,15 +36,19 @@ from kvserve.logger import logger
 from kvserve.platforms.huge_pages import move_to_huge_pages
 from kvserve.platforms.interface import Platform
 
-# The KV cache dtypes the kernels read under each compute dtype (others: only their own).
-KERNEL_KV_DTYPES = {torch.float32: (torch.float32, torch.bfloat16)}
+# The KV cache dtypes the kernels read under each compute dtype (others: only their own);
+# uint8 is int8 K/V (layers/attention/kv_quant.py's rows of codes, scale and minimum).
+KERNEL_KV_DTYPES = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.uint8),
+    torch.bfloat16: (torch.bfloat16, torch.uint8),
+}
 
 
 @dataclass
 class CpuPlatform(Platform):
     def reads_kv(self, kv_dtype: torch.dtype) -> bool:
-        # the kernels (and the C++ loop) read K/V of the compute dtype, and bf16 under fp32
-        # (widened in registers); without them the PyTorch path casts any
+        # the kernels (and the C++ loop) read K/V of the compute dtype, bf16 under fp32 and int8
+        # under either (widened or dequantized as they read); without them the PyTorch path reads any
         return kv_dtype in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)) or not available()
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
