@@ -116,18 +116,27 @@ inline void store_f32(T* p, const fVec& a) {
   }
 }
 
+// d values (a multiple of W) from f(i), W at a time, stored as T: 2W at a time where d allows
+// (one native conversion to bf16 per 2W, not a partial store per W).
+template <typename T, typename F>
+inline void store_row(T* dst, int64_t d, F f) {
+  int64_t i = 0;
+  for (; i + W2 <= d; i += W2) store2_f32(dst + i, f(i), f(i + W));
+  if (i < d) store_f32(dst + i, f(i));
+}
+
 // A stored row of d values (a multiple of W) as T: bf16 widened (exact: a 16-bit shift), int8
 // as code * scale + minimum in fp32 (kv_quant.dequantize_kv), then rounded to T.
 template <typename T>
 inline void widen_row(const at::BFloat16* src, T* dst, int64_t d) {
-  for (int64_t i = 0; i < d; i += W) store_f32(dst + i, load_f32(src + i));
+  store_row(dst, d, [&](int64_t i) { return load_f32(src + i); });
 }
 template <typename T>
 inline void dequantize_row(const uint8_t* src, T* dst, int64_t d) {
   float scale_min[2];
   std::memcpy(scale_min, src + d, sizeof(scale_min));
   const fVec scale(scale_min[0]), lo(scale_min[1]);
-  for (int64_t i = 0; i < d; i += W) store_f32(dst + i, load_codes(src + i) * scale + lo);
+  store_row(dst, d, [&](int64_t i) { return load_codes(src + i) * scale + lo; });
 }
 
 // One row as stored (`kv`: bf16 or uint8) into T.
