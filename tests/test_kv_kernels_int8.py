@@ -2,10 +2,11 @@
 rows (`layers/attention/kv_quant.py`) under fp32 and bf16; the stored-as-computed pools too.
 
 Each case runs CpuPagedAttention on a pool in the stored form and TorchAttention in fp32 on the
-values the kernel's compute dtype sees (each stored value widened or dequantized to it: int8
-under bf16 is `dequantize_kv(..., bfloat16)`), so the only difference is the kernels' own
-arithmetic: fp32 compute within 1e-5, bf16 within one bf16 rounding (the paged kernel) or the
-prefill kernels' bounds (P rounded to bf16). What the kernels write into the pool equals what
+values the kernels see: each stored value widened to the compute dtype, int8 dequantized in fp32
+(the paged kernel's factored form, scale * (q . codes) + minimum * sum(q), computes with exactly
+those values; the prefill kernels round them to bf16 under bf16 compute, within their bound). So
+the only difference is the kernels' own arithmetic: fp32 compute within 1e-5, bf16 within one
+bf16 rounding (the paged kernel) or the prefill kernels' bounds (P rounded to bf16). What the kernels write into the pool equals what
 `quantize_kv` (or `.to(bfloat16)`) gives, byte for byte.
 """
 
@@ -48,8 +49,8 @@ def store(x: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
 
 
 def seen(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What compute in `dtype` reads of stored K/V, in fp32."""
-    return (dequantize_kv(stored, dtype) if stored.dtype == torch.uint8 else stored.to(dtype)).float()
+    """What compute in `dtype` reads of stored K/V, in fp32 (int8: dequantized in fp32)."""
+    return dequantize_kv(stored) if stored.dtype == torch.uint8 else stored.to(dtype).float()
 
 
 def make_case(decode_lens, prefills, heads, kv_heads, head_dim, block_size, dtype, kv_dtype, window=None, seed=0):

@@ -20,9 +20,12 @@
 // (flash-decoding style), so scratch does not grow with the context. Items are handed
 // out dynamically because context lengths differ and the machine may be shared. bf16
 // caches on CPUs with AVX512-BF16, and fp32 caches on AVX2, take the scores with the keys
-// along the vector lanes. K/V stored in another form than q (bf16 under fp32 q, int8 rows
-// under either) are widened tile by tile into T rows in scratch (vec.h's stage_row): each row
-// once, then every query row of the item reads it there with the paths above.
+// along the vector lanes. K/V stored in another form than q are widened tile by tile into T
+// rows in scratch (vec.h's stage_row: each row once, then every query row of the item reads it
+// there with the paths above), except int8 rows where a product reads them as codes, in the
+// factored form q . k = scale * (q . codes) + minimum * sum(q), sum_t p_t v_t = sum_t (p_t *
+// scale_t) codes_t + sum_t p_t minimum_t: int8 values always, int8 keys under bf16 queries with
+// AVX512-BF16 (the codes widened to bf16, exact, for the same dot products as bf16 keys).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -102,7 +105,7 @@ constexpr bool kF32KeyLanes =
 
 // Per-thread buffers, sized for the largest item: rows = kQueryTile * group.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, alpha;
+  std::vector<float> q, acc, s, m, l, alpha, qsum;  // qsum: each row's sum of its stored queries
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
   int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
@@ -111,7 +114,7 @@ struct Scratch {
   std::vector<int64_t> staged;    // their offsets in kbuf / vbuf
   const int64_t* tile = nullptr;  // the offsets the products read this tile's rows at: keys or staged
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows),
+      : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows), qsum(rows),
         limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens), kbuf(kTileTokens * d),
         vbuf(kTileTokens * d), staged(kTileTokens) {}
   // Room for `rows` rows of `d` dims; what the buffers held is overwritten before it is read.
@@ -144,6 +147,9 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
       const T* src = row + (h * p.group + g) * p.q_head;
       if constexpr (kKeyLanes<T, D>) {
         std::memcpy(&sc.qb[r * D], src, D * sizeof(T));
+        float sum = 0.f;  // for int8 keys' minima
+        for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(src[d]);
+        sc.qsum[r] = sum;
       } else {
         for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
       }
@@ -181,10 +187,14 @@ void locate_keys(const Problem<T>& p, int64_t seq, int64_t t0, int64_t n, int64_
 // SmolLM2's 64-dim bf16 heads) filled the line-fill buffers and held the arithmetic until
 // they drained, so loads and compute hardly overlapped (spread out, a bf16 batch-128 step
 // at 500 keys took 17% less on a Xeon, an fp32 one at 32 x 800 keys 8-13% less).
+// Every line of a row (int8 rows, head_dim + 8 bytes, start anywhere in a line).
 template <typename T>
 void prefetch_rows(const Problem<T>& p, const char* cache, const int64_t* rows, int64_t begin, int64_t end) {
-  for (int64_t t = begin; t < end; ++t)
-    for (int64_t b = 0; b < p.row_bytes; b += 64) __builtin_prefetch(cache + rows[t] * p.pool_elem + b, 0, 2);
+  for (int64_t t = begin; t < end; ++t) {
+    const uintptr_t row = reinterpret_cast<uintptr_t>(cache + rows[t] * p.pool_elem);
+    for (uintptr_t line = row & ~uintptr_t{63}; line < row + p.row_bytes; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(line), 0, 2);
+  }
 }
 
 // Rows [begin, end) of the next tile from one cache, as far as it has keys (sc.next_n).
@@ -262,6 +272,44 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
     prefetch_next(p, p.k_pool, sc, t0, t0 + 16);
   }
   // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
+  prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
+}
+
+// int8 keys under bf16 queries: 16 keys' codes widened to bf16 once (exact: 0..255 fit in bf16's
+// 8 bits), the same dot products as score_tile_bf16's, then each key's scale and minimum.
+template <int D>
+void score_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
+  constexpr int NQ = D / 32;
+  const auto* k = reinterpret_cast<const uint8_t*>(p.k_pool);
+  alignas(64) uint16_t codes[16][D];
+  alignas(64) float kscale[16], kmin[16];
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t* key = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(key + j * 32))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(key + j * 32 + 16))));
+        _mm512_store_si512(&codes[i][j * 32], to_bf16(lo, hi));
+      }
+      float scale_min[2];
+      std::memcpy(scale_min, key + D, sizeof(scale_min));
+      kscale[i] = scale_min[0] * p.scale, kmin[i] = scale_min[1] * p.scale;
+    }
+    const __m512 scale = _mm512_load_ps(kscale), minimum = _mm512_load_ps(kmin);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh q[NQ];
+      for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_load_si512(codes[i]), q[0]);
+        for (int j = 1; j < NQ; ++j) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_load_si512(&codes[i][j * 32]), q[j]);
+        acc[4 * (i % 4) + i / 4] = a;
+      }
+      const __m512 s = _mm512_fmadd_ps(reduce16(acc), scale, _mm512_mul_ps(minimum, _mm512_set1_ps(sc.qsum[r])));
+      _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], s);
+    }
+    prefetch_next(p, p.k_pool, sc, t0, t0 + 16);
+  }
   prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
 }
 
@@ -372,10 +420,19 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
   if (r0 == 0) prefetch_next(p, p.k_pool, sc, n, kTileTokens);
 }
 
+// Whether the scores read int8 keys as codes (no staged K rows).
+template <typename T, int D>
+bool scores_read_codes(const Problem<T>& p) {
+  return kKeyLanes<T, D> && p.kv_dtype == at::kByte;
+}
+
 template <typename T, int D>
 void score_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
 #if KVSERVE_NATIVE_BF16
-  if constexpr (kKeyLanes<T, D>) return score_tile_bf16<D>(p, n, rows, sc);
+  if constexpr (kKeyLanes<T, D>) {
+    if (p.kv_dtype == at::kByte) return score_tile_bf16_u8<D>(p, n, rows, sc);
+    return score_tile_bf16<D>(p, n, rows, sc);
+  }
 #endif
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (kF32KeyLanes<T, D>) return score_tile_f32<D>(p, n, rows, sc);
@@ -447,8 +504,42 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
     for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
 }
 
+// int8 values: acc[r] = alpha[r] * acc[r] + sum_t (p[r, t] * scale_t) * codes_t + sum_t p[r, t] *
+// minimum_t, each row's codes widened once for all NR rows; the minima's sum joins acc at the end.
+template <typename T, int D, int NR>
+void accumulate_rows_u8(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec a[NR][NV];
+  float lo[NR] = {};
+  for (int i = 0; i < NR; ++i) {
+    const fVec alpha(sc.alpha[r0 + i]);
+    for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
+  }
+  const auto* pool = reinterpret_cast<const uint8_t*>(p.v_pool);
+  for (int64_t t = 0; t < n; ++t) {
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 1);
+    const uint8_t* val = pool + sc.keys[t];
+    float scale_min[2];
+    std::memcpy(scale_min, val + D, sizeof(scale_min));
+    fVec v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load_codes(val + j * W);
+    for (int i = 0; i < NR; ++i) {
+      const float pt = sc.s[(r0 + i) * kTileTokens + t];
+      lo[i] += pt * scale_min[1];
+      const fVec ps(pt * scale_min[0]);
+      for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(ps, v[j], a[i][j]);
+    }
+  }
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, n, kTileTokens);
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) (a[i][j] + fVec(lo[i])).store(&sc.acc[(r0 + i) * D + j * W]);
+}
+
 template <typename T, int D>
 void accumulate_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+  if (p.kv_dtype == at::kByte) {
+    return for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows_u8<T, D, nr()>(p, n, r0, sc); });
+  }
 #if KVSERVE_NATIVE_BF16
   if constexpr (kKeyLanes<T, D>) return accumulate_tile_bf16<D>(p, n, rows, sc);
 #endif
@@ -528,14 +619,18 @@ void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* r
 // the score and sum loops), and after the last tile, the first tile of `then` (the
 // thread's next work item), so loads never wait idle. An item that is one run of several
 // leaves its state in `partial` for merge_parts.
-// The tile's n K and V rows, stored in another form than T, widened into the scratch's T rows.
+// The tile's n K and V rows, stored in another form than T, widened into the scratch's T rows
+// where the products do not read them as stored: K unless the scores read int8 codes, V unless
+// it is int8.
 template <typename T, int D>
 void stage_tile(const Problem<T>& p, int64_t n, Scratch& sc) {
+  const bool keys = !scores_read_codes<T, D>(p), values = p.kv_dtype != at::kByte;
+  if (!keys && !values) return;
   T* k = reinterpret_cast<T*>(sc.kbuf.data());
   T* v = reinterpret_cast<T*>(sc.vbuf.data());
   for (int64_t t = 0; t < n; ++t) {
-    stage_row(p.k_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, k + t * D, D);
-    stage_row(p.v_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, v + t * D, D);
+    if (keys) stage_row(p.k_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, k + t * D, D);
+    if (values) stage_row(p.v_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, v + t * D, D);
     sc.staged[t] = t * D;
   }
   sc.tile = sc.staged.data();
@@ -573,7 +668,8 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
     std::swap(sc.keys, sc.next_keys);
   }
 #if KVSERVE_NATIVE_BF16
-  if constexpr (kKeyLanes<T, D>) unpermute_acc<D>(sc, rows);
+  if constexpr (kKeyLanes<T, D>)
+    if (p.kv_dtype != at::kByte) unpermute_acc<D>(sc, rows);  // int8 values accumulate in dim order
 #endif
   if (it.parts == 1) return store_output<T, D>(p, it, h, sc);
   float* state = partial + h * rows * (D + 2);  // per row: max, sum, output
