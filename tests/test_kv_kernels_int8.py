@@ -6,8 +6,8 @@ values the kernels see: each stored value widened to the compute dtype, int8 deq
 (the paged kernel's factored form, scale * (q . codes) + minimum * sum(q), computes with exactly
 those values; the prefill kernels round them to bf16 under bf16 compute, within their bound). So
 the only difference is the kernels' own arithmetic: fp32 compute within 1e-5, bf16 within one
-bf16 rounding (the paged kernel) or the prefill kernels' bounds (P rounded to bf16). What the kernels write into the pool equals what
-`quantize_kv` (or `.to(bfloat16)`) gives, byte for byte.
+bf16 rounding (the paged kernel) or the prefill kernels' bounds (P rounded to bf16). What the
+kernels write into the pool equals what `quantize_kv` (or `.to(bfloat16)`) gives, byte for byte.
 """
 
 from __future__ import annotations
