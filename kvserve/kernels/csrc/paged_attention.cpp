@@ -24,8 +24,10 @@
 // rows in scratch (vec.h's stage_row: each row once, then every query row of the item reads it
 // there with the paths above), except int8 rows where a product reads them as codes, in the
 // factored form q . k = scale * (q . codes) + minimum * sum(q), sum_t p_t v_t = sum_t (p_t *
-// scale_t) codes_t + sum_t p_t minimum_t: int8 values always, int8 keys under bf16 queries with
-// AVX512-BF16 (the codes widened to bf16, exact, for the same dot products as bf16 keys).
+// scale_t) codes_t + sum_t p_t minimum_t: int8 values always, int8 keys under bf16 queries
+// (with AVX512-BF16 the codes widened to bf16, exact, for the same dot products as bf16 keys).
+// So int8 K/V enter the products as fp32 dequantizes them, never rounded to bf16 (under fp32
+// queries the staged rows are fp32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -105,7 +107,7 @@ constexpr bool kF32KeyLanes =
 
 // Per-thread buffers, sized for the largest item: rows = kQueryTile * group.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, alpha, qsum;  // qsum: each row's sum of its stored queries
+  std::vector<float> q, acc, s, m, l, alpha, qsum;  // qsum: each row's sum of its queries, as in q or qb
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
   int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
@@ -147,11 +149,13 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
       const T* src = row + (h * p.group + g) * p.q_head;
       if constexpr (kKeyLanes<T, D>) {
         std::memcpy(&sc.qb[r * D], src, D * sizeof(T));
-        float sum = 0.f;  // for int8 keys' minima
+        float sum = 0.f;  // for int8 keys' minima (unscaled, as qb)
         for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(src[d]);
         sc.qsum[r] = sum;
       } else {
-        for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
+        float sum = 0.f;
+        for (int64_t d = 0; d < D; ++d) sum += (sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale);
+        sc.qsum[r] = sum;
       }
       std::fill_n(&sc.acc[r * D], D, 0.f);
       sc.m[r] = kNegInf;
@@ -420,19 +424,48 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
   if (r0 == 0) prefetch_next(p, p.k_pool, sc, n, kTileTokens);
 }
 
-// Whether the scores read int8 keys as codes (no staged K rows).
-template <typename T, int D>
+// int8 keys under bf16 queries without AVX512-BF16: s[r, t] = scale_t * (q[r] . codes_t) +
+// minimum_t * sum(q[r]) for rows [r0, r0 + NR), each key's codes widened once for the rows.
+template <typename T, int D, int NR>
+void score_rows_u8(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec q[NR][NV];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
+  const auto* pool = reinterpret_cast<const uint8_t*>(p.k_pool);
+  for (int64_t t = 0; t < n; ++t) {
+    if (r0 == 0) prefetch_next(p, p.k_pool, sc, t, t + 1);
+    const uint8_t* key = pool + sc.keys[t];
+    float scale_min[2];
+    std::memcpy(scale_min, key + D, sizeof(scale_min));
+    fVec k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = load_codes(key + j * W);
+    for (int i = 0; i < NR; ++i) {
+      fVec a = q[i][0] * k[0];
+      for (int j = 1; j < NV; ++j) a = at::vec::fmadd(q[i][j], k[j], a);
+      sc.s[(r0 + i) * kTileTokens + t] = scale_min[0] * hsum(a) + scale_min[1] * sc.qsum[r0 + i];
+    }
+  }
+  if (r0 == 0) prefetch_next(p, p.k_pool, sc, n, kTileTokens);
+}
+
+// Whether the scores read int8 keys as codes (no staged K rows): under bf16 queries, so that
+// they are not rounded to bf16; under fp32 ones the staged rows are exact.
+template <typename T>
 bool scores_read_codes(const Problem<T>& p) {
-  return kKeyLanes<T, D> && p.kv_dtype == at::kByte;
+  return std::is_same_v<T, at::BFloat16> && p.kv_dtype == at::kByte;
 }
 
 template <typename T, int D>
 void score_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+  if (scores_read_codes(p)) {
 #if KVSERVE_NATIVE_BF16
-  if constexpr (kKeyLanes<T, D>) {
-    if (p.kv_dtype == at::kByte) return score_tile_bf16_u8<D>(p, n, rows, sc);
-    return score_tile_bf16<D>(p, n, rows, sc);
+    if constexpr (kKeyLanes<T, D>) return score_tile_bf16_u8<D>(p, n, rows, sc);
+#endif
+    return for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { score_rows_u8<T, D, nr()>(p, n, r0, sc); });
   }
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D>) return score_tile_bf16<D>(p, n, rows, sc);
 #endif
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (kF32KeyLanes<T, D>) return score_tile_f32<D>(p, n, rows, sc);
@@ -621,10 +654,10 @@ void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* r
 // leaves its state in `partial` for merge_parts.
 // The tile's n K and V rows, stored in another form than T, widened into the scratch's T rows
 // where the products do not read them as stored: K unless the scores read int8 codes, V unless
-// it is int8.
+// it is int8 (so only bf16 rows, and int8 keys under fp32 queries, which stay exact).
 template <typename T, int D>
 void stage_tile(const Problem<T>& p, int64_t n, Scratch& sc) {
-  const bool keys = !scores_read_codes<T, D>(p), values = p.kv_dtype != at::kByte;
+  const bool keys = !scores_read_codes(p), values = p.kv_dtype != at::kByte;
   if (!keys && !values) return;
   T* k = reinterpret_cast<T*>(sc.kbuf.data());
   T* v = reinterpret_cast<T*>(sc.vbuf.data());
