@@ -27,6 +27,7 @@ KERNEL_TESTS = [
     "tests/test_layer_ops.py",
     "tests/test_packed_linear.py",
     "tests/test_fused_layers.py",
+    "tests/test_kv_kernels_int8.py",
 ]
 # torch's own SDPA in bf16, which this test's prefill chunk reaches, packs for AVX-512
 # (`pack_vnni2`) on a CPU with AVX512-BF16 whatever ATEN_CPU_CAPABILITY says, and then

@@ -2,7 +2,9 @@
 kind of step: decodes, short and long prefill chunks, chunks after a cached prefix, and
 batches past the small-batch kernel's row limit (oneDNN); in bf16 on each kernel path the
 CPU has (AMX, or the AVX512-BF16 dot products, for matmuls and prefill attention alike); in
-fp32 with the fp32 prefill kernel where the host takes it (AVX2)."""
+fp32 with the fp32 prefill kernel where the host takes it (AVX2); and on K/V stored in another
+form than the compute dtype (bf16 under fp32, int8 rows under either), written and read by the
+kernels in both."""
 
 from __future__ import annotations
 
@@ -11,10 +13,12 @@ import torch
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
+from kvserve.engine.model_runner import kv_slots
 from kvserve.kernels import build, prefill_attention
 from kvserve.kernels.small_batch_linear import bf16_paths
 from kvserve.kernels.small_batch_linear import isa as small_batch_isa
 from kvserve.layers import linear
+from kvserve.layers.attention.kv_quant import stored_head_dim
 
 pytestmark = pytest.mark.skipif(not build.available(), reason="kvserve's CPU kernels did not build")
 
@@ -74,3 +78,27 @@ def test_every_step_runs_the_loop(tiny_model_dir, dtype, monkeypatch):
     monkeypatch.setattr(type(llm.llm_engine.runner.model.layers[0]), "forward", lambda *a: pytest.fail("Python layers"))
     llm.generate([list(range(1000, 1100))], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert rows == [100, 1, 1]  # the prefill, then two decodes
+
+
+def use_int8_pools(llm: LLM) -> None:
+    """Swap the runner's pools for int8 ones (uint8 rows of codes, scale and minimum) of as many blocks."""
+    runner = llm.llm_engine.runner
+    pools = {
+        id(c): torch.zeros(*c.shape[:-1], stored_head_dim(c.shape[-1]), dtype=torch.uint8) for c in runner.kv_tensors
+    }
+    runner.kv_caches = [pools[id(c)] for c in runner.kv_caches]
+    runner.kv_tensors = kv_slots(runner.kv_caches)
+
+
+STORED_KV = [("float32", "bfloat16"), ("float32", "int8"), pytest.param("bfloat16", "int8", marks=needs_bf16_kernel)]
+
+
+@pytest.mark.parametrize(("dtype", "kv"), STORED_KV)
+def test_fused_loop_on_stored_kv_matches_python_layers(tmp_path, smollm2_dir, dtype, kv):
+    model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, hidden_size=128)
+    llm = LLM(model=str(model_dir), dtype=dtype, kv_cache_memory="16MiB", kv_cache_dtype=kv if kv != "int8" else "auto")
+    if kv == "int8":
+        use_int8_pools(llm)
+    assert llm.llm_engine.runner.model.layer_loop is not None
+    assert llm.llm_engine.runner.kv_caches[0].dtype == (torch.uint8 if kv == "int8" else torch.bfloat16)
+    assert generate(llm, fused=True) == generate(llm, fused=False)

@@ -36,15 +36,23 @@ from kvserve.logger import logger
 from kvserve.platforms.huge_pages import move_to_huge_pages
 from kvserve.platforms.interface import Platform
 
+# The KV cache dtypes the kernels read under each compute dtype (others: only their own);
+# uint8 is int8 K/V (layers/attention/kv_quant.py's rows of codes, scale and minimum).
+KERNEL_KV_DTYPES = {
+    torch.float32: (torch.float32, torch.bfloat16, torch.uint8),
+    torch.bfloat16: (torch.bfloat16, torch.uint8),
+}
+
 
 @dataclass
 class CpuPlatform(Platform):
     def reads_kv(self, kv_dtype: torch.dtype) -> bool:
-        # the kernels (and the C++ loop) read K/V of the compute dtype only
-        return kv_dtype == self.dtype or not available()
+        # the kernels (and the C++ loop) read K/V of the compute dtype, bf16 under fp32 and int8
+        # under either (widened or dequantized as they read); without them the PyTorch path reads any
+        return kv_dtype in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)) or not available()
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
-        if self.kv_dtype != self.dtype:  # the kernels cannot read it: the PyTorch path casts
+        if self.kv_dtype not in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)):  # the PyTorch path casts
             return TorchAttention()
         if paged_attention.supports(head_dim):
             supported = prefill_attention.supports(head_dim, self.dtype)
@@ -108,7 +116,7 @@ class CpuLayerLoop:
         self, x: torch.Tensor, cos_sin: torch.Tensor, kv_caches: list[torch.Tensor], meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(last layer's MLP output, residual), as the Python layer loop returns them."""
-        batch = self.backend.plan(meta, x.dtype, kv_caches[0].shape[2])
+        batch = self.backend.plan(meta, x.dtype, kv_caches[0].shape[2], kv_caches[0].dtype)
         long, no_bias = batch.torch_prefills, x.new_empty(0)
         return self.loop.forward(
             x, cos_sin, kv_caches, meta.slot_mapping,

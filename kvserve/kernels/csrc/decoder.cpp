@@ -13,7 +13,6 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -129,7 +128,10 @@ class DecoderLayers : public torch::CustomClassHolder {
       at::Tensor k = fused.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
       const at::Tensor v = fused.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
       rotary_embedding(q, k, cos_sin);
-      write_kv(k, v, kv_caches[l], slot_mapping.const_data_ptr<int64_t>());
+      {
+        KVSERVE_RANGE("kvserve::write_kv");
+        write_kv(k, v, kv_caches[l], slot_mapping);
+      }
       at::Tensor attn = buf.attn;
       if (paged[2].numel() > 0) {
         KVSERVE_RANGE("kvserve::paged_attention");
@@ -164,29 +166,12 @@ class DecoderLayers : public torch::CustomClassHolder {
     return out;
   }
 
-  // K/V rows of the new tokens into the paged cache at their slots (block * block_size +
-  // offset). k, v: [T, kv_heads, D] views into the fused qkv output (heads contiguous).
-  void write_kv(const at::Tensor& k, const at::Tensor& v, const at::Tensor& cache, const int64_t* slots) const {
-    KVSERVE_RANGE("aten::index_copy_");  // what the Python layers use for it
-    const int64_t slot_count = cache.size(1) * cache.size(2), row = kv_heads_ * head_dim_;
-    TORCH_CHECK(cache.is_contiguous() && cache.size(3) * cache.size(4) == row, "kv cache must be contiguous");
-    TORCH_CHECK(k.stride(1) == head_dim_ && v.stride(1) == head_dim_, "k, v: heads must be contiguous");
-    TORCH_CHECK(cache.scalar_type() == k.scalar_type(), "kv cache and k, v must share a dtype");
-    const int64_t size = k.element_size(), bytes = row * size;  // bf16 or fp32: rows are copied as bytes
-    auto* base = static_cast<char*>(cache.data_ptr());
-    const auto* kp = static_cast<const char*>(k.const_data_ptr());
-    const auto* vp = static_cast<const char*>(v.const_data_ptr());
-    for (int64_t t = 0; t < k.size(0); ++t) {
-      TORCH_CHECK(slots[t] >= 0 && slots[t] < slot_count, "slot ", slots[t], " out of range");
-      std::memcpy(base + slots[t] * bytes, kp + t * k.stride(0) * size, bytes);
-      std::memcpy(base + (slot_count + slots[t]) * bytes, vp + t * v.stride(0) * size, bytes);
-    }
-  }
-
   // TorchAttention._prefill for one chunk, into its rows of attn.
   void long_chunk_attention(at::Tensor& attn, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             const at::Tensor& cache, const LongChunk& c) const {
     KVSERVE_RANGE("aten::scaled_dot_product_attention");
+    // CpuPagedAttention leaves no chunk to SDPA where the cache holds another dtype (it reads pages as stored)
+    TORCH_CHECK(cache.scalar_type() == q.scalar_type(), "a long chunk's SDPA reads a cache of q's dtype only");
     const at::Tensor rows = q.narrow(0, c.start, c.len).transpose(0, 1).unsqueeze(0);  // [1, Hq, n, D]
     at::Tensor o;
     if (c.bias.numel() == 0) {  // no cached prefix: the new K/V are the whole context

@@ -29,6 +29,9 @@ void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at
 inline at::Tensor as_contiguous(const at::Tensor& t, at::ScalarType s) {
   return t.scalar_type() == s && t.is_contiguous() ? t : t.to(s).contiguous();
 }
+// The new tokens' K/V into the cache at their slots, as it stores them (copied, rounded to bf16,
+// or quantized to int8 rows: write_kv.cpp).
+void write_kv(const at::Tensor& k, const at::Tensor& v, at::Tensor& kv_cache, const at::Tensor& slot_mapping);
 void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& block_tables, const at::Tensor& query_start, const at::Tensor& query_lens,
                        const at::Tensor& context_lens, double scale, int64_t window, bool use_amx);

@@ -20,7 +20,14 @@
 // (flash-decoding style), so scratch does not grow with the context. Items are handed
 // out dynamically because context lengths differ and the machine may be shared. bf16
 // caches on CPUs with AVX512-BF16, and fp32 caches on AVX2, take the scores with the keys
-// along the vector lanes.
+// along the vector lanes. K/V stored in another form than q are widened tile by tile into T
+// rows in scratch (vec.h's stage_row: each row once, then every query row of the item reads it
+// there with the paths above), except int8 rows where a product reads them as codes, in the
+// factored form q . k = scale * (q . codes) + minimum * sum(q), sum_t p_t v_t = sum_t (p_t *
+// scale_t) codes_t + sum_t p_t minimum_t: int8 values always, int8 keys under bf16 queries
+// (with AVX512-BF16 the codes widened to bf16, exact, for the same dot products as bf16 keys).
+// So int8 K/V enter the products as fp32 dequantizes them, never rounded to bf16 (under fp32
+// queries the staged rows are fp32).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -55,9 +62,14 @@ struct Problem {
   const T* q;
   T* out;
   int64_t q_row, q_head, out_row, out_head;  // strides of q / out [rows, heads, D]
-  const T* k;
+  const T* k;  // the rows the products read: the caches, or for staged K/V the thread's widened tile
   const T* v;
   int64_t c_block, c_token, c_head;  // strides of the K and V caches [blocks, block_size, heads, D]
+  const char* k_pool;  // the caches as stored, for the prefetches and the staging
+  const char* v_pool;
+  int64_t pool_elem, row_bytes;  // bytes of a cache element, of one (token, head) row
+  at::ScalarType kv_dtype;
+  bool staged;  // K/V are stored in another form than T
   const int64_t* tables;
   int64_t table_stride, num_blocks, block_size;
   const int64_t* query_start;  // [num_seqs] first row of each sequence in q / out
@@ -95,17 +107,23 @@ constexpr bool kF32KeyLanes =
 
 // Per-thread buffers, sized for the largest item: rows = kQueryTile * group.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, alpha;
+  std::vector<float> q, acc, s, m, l, alpha, qsum;  // qsum: each row's sum of its queries, as in q or qb
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
   int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
   std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
+  std::vector<float> kbuf, vbuf;  // a staged tile's K and V rows as T (float or bf16 in the space of floats)
+  std::vector<int64_t> staged;    // their offsets in kbuf / vbuf
+  const int64_t* tile = nullptr;  // the offsets the products read this tile's rows at: keys or staged
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows),
-        limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens) {}
+      : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows), qsum(rows),
+        limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens), kbuf(kTileTokens * d),
+        vbuf(kTileTokens * d), staged(kTileTokens) {}
   // Room for `rows` rows of `d` dims; what the buffers held is overwritten before it is read.
   void reserve(int64_t rows, int64_t d) {
-    if (static_cast<int64_t>(q.size()) < rows * d || static_cast<int64_t>(m.size()) < rows) *this = Scratch(rows, d);
+    if (static_cast<int64_t>(q.size()) < rows * d || static_cast<int64_t>(m.size()) < rows ||
+        static_cast<int64_t>(kbuf.size()) < kTileTokens * d)
+      *this = Scratch(std::max<int64_t>(rows, m.size()), std::max<int64_t>(d, kbuf.size() / kTileTokens));
   }
 };
 
@@ -131,8 +149,13 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
       const T* src = row + (h * p.group + g) * p.q_head;
       if constexpr (kKeyLanes<T, D>) {
         std::memcpy(&sc.qb[r * D], src, D * sizeof(T));
+        float sum = 0.f;  // for int8 keys' minima (unscaled, as qb)
+        for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(src[d]);
+        sc.qsum[r] = sum;
       } else {
-        for (int64_t d = 0; d < D; ++d) sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale;
+        float sum = 0.f;
+        for (int64_t d = 0; d < D; ++d) sum += (sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale);
+        sc.qsum[r] = sum;
       }
       std::fill_n(&sc.acc[r * D], D, 0.f);
       sc.m[r] = kNegInf;
@@ -168,20 +191,23 @@ void locate_keys(const Problem<T>& p, int64_t seq, int64_t t0, int64_t n, int64_
 // SmolLM2's 64-dim bf16 heads) filled the line-fill buffers and held the arithmetic until
 // they drained, so loads and compute hardly overlapped (spread out, a bf16 batch-128 step
 // at 500 keys took 17% less on a Xeon, an fp32 one at 32 x 800 keys 8-13% less).
-template <typename T, int D>
-void prefetch_rows(const T* cache, const int64_t* rows, int64_t begin, int64_t end) {
-  constexpr int64_t kLine = 64 / sizeof(T);  // elements per cache line
-  for (int64_t t = begin; t < end; ++t)
-    for (int64_t d = 0; d < D; d += kLine) __builtin_prefetch(cache + rows[t] + d, 0, 2);
+// Every line of a row (int8 rows, head_dim + 8 bytes, start anywhere in a line).
+template <typename T>
+void prefetch_rows(const Problem<T>& p, const char* cache, const int64_t* rows, int64_t begin, int64_t end) {
+  for (int64_t t = begin; t < end; ++t) {
+    const uintptr_t row = reinterpret_cast<uintptr_t>(cache + rows[t] * p.pool_elem);
+    for (uintptr_t line = row & ~uintptr_t{63}; line < row + p.row_bytes; line += 64)
+      __builtin_prefetch(reinterpret_cast<const char*>(line), 0, 2);
+  }
 }
 
 // Rows [begin, end) of the next tile from one cache, as far as it has keys (sc.next_n).
 // The loops ask for a fixed count each step and for the rest after the loop: folding the
 // rest into the last step's call (the same rows) made the kernel ~1.8x slower cold, for
 // reasons not found; keep the count of each step's call fixed.
-template <typename T, int D>
-void prefetch_next(const T* cache, const Scratch& sc, int64_t begin, int64_t end) {
-  prefetch_rows<T, D>(cache, sc.next_keys.data(), begin, std::min(end, sc.next_n));
+template <typename T>
+void prefetch_next(const Problem<T>& p, const char* cache, const Scratch& sc, int64_t begin, int64_t end) {
+  prefetch_rows(p, cache, sc.next_keys.data(), begin, std::min(end, sc.next_n));
 }
 
 // Rows are processed NR at a time, their queries or outputs held in registers (NR * NV
@@ -235,7 +261,7 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
   const auto* k = reinterpret_cast<const uint16_t*>(p.k);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     const uint16_t* key[16];
-    for (int i = 0; i < 16; ++i) key[i] = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+    for (int i = 0; i < 16; ++i) key[i] = k + sc.tile[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
     for (int64_t r = 0; r < rows; ++r) {
       __m512bh q[NQ];
       for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
@@ -247,10 +273,48 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
       }
       _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], _mm512_mul_ps(reduce16(acc), scale));
     }
-    prefetch_next<at::BFloat16, D>(p.k, sc, t0, t0 + 16);
+    prefetch_next(p, p.k_pool, sc, t0, t0 + 16);
   }
   // the next tile's keys past this tile's last 16 (the next item's tile can be the longer)
-  prefetch_next<at::BFloat16, D>(p.k, sc, (n + 15) / 16 * 16, kTileTokens);
+  prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
+}
+
+// int8 keys under bf16 queries: 16 keys' codes widened to bf16 once (exact: 0..255 fit in bf16's
+// 8 bits), the same dot products as score_tile_bf16's, then each key's scale and minimum.
+template <int D>
+void score_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
+  constexpr int NQ = D / 32;
+  const auto* k = reinterpret_cast<const uint8_t*>(p.k_pool);
+  alignas(64) uint16_t codes[16][D];
+  alignas(64) float kscale[16], kmin[16];
+  for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    for (int i = 0; i < 16; ++i) {
+      const uint8_t* key = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+      for (int j = 0; j < NQ; ++j) {
+        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(key + j * 32))));
+        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(key + j * 32 + 16))));
+        _mm512_store_si512(&codes[i][j * 32], to_bf16(lo, hi));
+      }
+      float scale_min[2];
+      std::memcpy(scale_min, key + D, sizeof(scale_min));
+      kscale[i] = scale_min[0] * p.scale, kmin[i] = scale_min[1] * p.scale;
+    }
+    const __m512 scale = _mm512_load_ps(kscale), minimum = _mm512_load_ps(kmin);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512bh q[NQ];
+      for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) {
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_load_si512(codes[i]), q[0]);
+        for (int j = 1; j < NQ; ++j) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_load_si512(&codes[i][j * 32]), q[j]);
+        acc[4 * (i % 4) + i / 4] = a;
+      }
+      const __m512 s = _mm512_fmadd_ps(reduce16(acc), scale, _mm512_mul_ps(minimum, _mm512_set1_ps(sc.qsum[r])));
+      _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], s);
+    }
+    prefetch_next(p, p.k_pool, sc, t0, t0 + 16);
+  }
+  prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
 }
 
 // acc[r] = alpha[r] * acc[r] + sum_t p[r, t] * v[t], in fp32. A V row of 32 bf16 widens
@@ -268,8 +332,8 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
     for (int j = 0; j < NV; ++j) a[i][j] = _mm512_mul_ps(_mm512_loadu_ps(&sc.acc[(r0 + i) * D + j * 16]), alpha);
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (r0 == 0) prefetch_next<at::BFloat16, D>(p.v, sc, t, t + 1);
-    const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.keys[t]);
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 1);
+    const auto* val = reinterpret_cast<const uint16_t*>(p.v + sc.tile[t]);
     __m512 v[NV];
     for (int j = 0; j < NV / 2; ++j) {
       const __m512i x = _mm512_loadu_si512(val + j * 32);
@@ -281,7 +345,7 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
       for (int j = 0; j < NV; ++j) a[i][j] = _mm512_fmadd_ps(pt, v[j], a[i][j]);
     }
   }
-  if (r0 == 0) prefetch_next<at::BFloat16, D>(p.v, sc, n, kTileTokens);
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, n, kTileTokens);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(&sc.acc[(r0 + i) * D + j * 16], a[i][j]);
 }
@@ -322,7 +386,7 @@ template <int D>
 void score_tile_f32(const Problem<float>& p, int64_t n, int64_t rows, Scratch& sc) {
   for (int64_t t0 = 0; t0 < n; t0 += 8) {  // the 8 keys stay in L1 for every row
     const float* key[8];
-    for (int i = 0; i < 8; ++i) key[i] = p.k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
+    for (int i = 0; i < 8; ++i) key[i] = p.k + sc.tile[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
     for (int64_t r = 0; r < rows; ++r) {
       const float* q = &sc.q[r * D];  // scaled already
       __m256 acc[8];
@@ -333,9 +397,9 @@ void score_tile_f32(const Problem<float>& p, int64_t n, int64_t rows, Scratch& s
       }
       _mm256_storeu_ps(&sc.s[r * kTileTokens + t0], reduce8(acc));
     }
-    prefetch_next<float, D>(p.k, sc, t0, t0 + 8);
+    prefetch_next(p, p.k_pool, sc, t0, t0 + 8);
   }
-  prefetch_next<float, D>(p.k, sc, (n + 7) / 8 * 8, kTileTokens);
+  prefetch_next(p, p.k_pool, sc, (n + 7) / 8 * 8, kTileTokens);
 }
 #endif
 
@@ -347,8 +411,8 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
   for (int64_t t = 0; t < n; ++t) {
-    if (r0 == 0) prefetch_next<T, D>(p.k, sc, t, t + 1);
-    const T* key = p.k + sc.keys[t];
+    if (r0 == 0) prefetch_next(p, p.k_pool, sc, t, t + 1);
+    const T* key = p.k + sc.tile[t];
     fVec k[NV];
     for (int j = 0; j < NV; ++j) k[j] = load_f32(key + j * W);
     for (int i = 0; i < NR; ++i) {
@@ -357,11 +421,49 @@ void score_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       sc.s[(r0 + i) * kTileTokens + t] = hsum(a);
     }
   }
-  if (r0 == 0) prefetch_next<T, D>(p.k, sc, n, kTileTokens);
+  if (r0 == 0) prefetch_next(p, p.k_pool, sc, n, kTileTokens);
+}
+
+// int8 keys under bf16 queries without AVX512-BF16: s[r, t] = scale_t * (q[r] . codes_t) +
+// minimum_t * sum(q[r]) for rows [r0, r0 + NR), each key's codes widened once for the rows.
+template <typename T, int D, int NR>
+void score_rows_u8(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec q[NR][NV];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) q[i][j] = fVec::loadu(&sc.q[(r0 + i) * D + j * W]);
+  const auto* pool = reinterpret_cast<const uint8_t*>(p.k_pool);
+  for (int64_t t = 0; t < n; ++t) {
+    if (r0 == 0) prefetch_next(p, p.k_pool, sc, t, t + 1);
+    const uint8_t* key = pool + sc.keys[t];
+    float scale_min[2];
+    std::memcpy(scale_min, key + D, sizeof(scale_min));
+    fVec k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = load_codes(key + j * W);
+    for (int i = 0; i < NR; ++i) {
+      fVec a = q[i][0] * k[0];
+      for (int j = 1; j < NV; ++j) a = at::vec::fmadd(q[i][j], k[j], a);
+      sc.s[(r0 + i) * kTileTokens + t] = scale_min[0] * hsum(a) + scale_min[1] * sc.qsum[r0 + i];
+    }
+  }
+  if (r0 == 0) prefetch_next(p, p.k_pool, sc, n, kTileTokens);
+}
+
+// Whether the scores read int8 keys as codes (no staged K rows): under bf16 queries, so that
+// they are not rounded to bf16; under fp32 ones the staged rows are exact.
+template <typename T>
+bool scores_read_codes(const Problem<T>& p) {
+  return std::is_same_v<T, at::BFloat16> && p.kv_dtype == at::kByte;
 }
 
 template <typename T, int D>
 void score_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+  if (scores_read_codes(p)) {
+#if KVSERVE_NATIVE_BF16
+    if constexpr (kKeyLanes<T, D>) return score_tile_bf16_u8<D>(p, n, rows, sc);
+#endif
+    return for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { score_rows_u8<T, D, nr()>(p, n, r0, sc); });
+  }
 #if KVSERVE_NATIVE_BF16
   if constexpr (kKeyLanes<T, D>) return score_tile_bf16<D>(p, n, rows, sc);
 #endif
@@ -421,8 +523,8 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
     for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (r0 == 0) prefetch_next<T, D>(p.v, sc, t, t + 1);
-    const T* val = p.v + sc.keys[t];
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 1);
+    const T* val = p.v + sc.tile[t];
     fVec v[NV];
     for (int j = 0; j < NV; ++j) v[j] = load_f32(val + j * W);
     for (int i = 0; i < NR; ++i) {
@@ -430,13 +532,47 @@ void accumulate_rows(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
       for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(pt, v[j], a[i][j]);
     }
   }
-  if (r0 == 0) prefetch_next<T, D>(p.v, sc, n, kTileTokens);
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, n, kTileTokens);
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NV; ++j) a[i][j].store(&sc.acc[(r0 + i) * D + j * W]);
 }
 
+// int8 values: acc[r] = alpha[r] * acc[r] + sum_t (p[r, t] * scale_t) * codes_t + sum_t p[r, t] *
+// minimum_t, each row's codes widened once for all NR rows; the minima's sum joins acc at the end.
+template <typename T, int D, int NR>
+void accumulate_rows_u8(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc) {
+  constexpr int NV = D / W;
+  fVec a[NR][NV];
+  float lo[NR] = {};
+  for (int i = 0; i < NR; ++i) {
+    const fVec alpha(sc.alpha[r0 + i]);
+    for (int j = 0; j < NV; ++j) a[i][j] = fVec::loadu(&sc.acc[(r0 + i) * D + j * W]) * alpha;
+  }
+  const auto* pool = reinterpret_cast<const uint8_t*>(p.v_pool);
+  for (int64_t t = 0; t < n; ++t) {
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 1);
+    const uint8_t* val = pool + sc.keys[t];
+    float scale_min[2];
+    std::memcpy(scale_min, val + D, sizeof(scale_min));
+    fVec v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = load_codes(val + j * W);
+    for (int i = 0; i < NR; ++i) {
+      const float pt = sc.s[(r0 + i) * kTileTokens + t];
+      lo[i] += pt * scale_min[1];
+      const fVec ps(pt * scale_min[0]);
+      for (int j = 0; j < NV; ++j) a[i][j] = at::vec::fmadd(ps, v[j], a[i][j]);
+    }
+  }
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, n, kTileTokens);
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NV; ++j) (a[i][j] + fVec(lo[i])).store(&sc.acc[(r0 + i) * D + j * W]);
+}
+
 template <typename T, int D>
 void accumulate_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+  if (p.kv_dtype == at::kByte) {
+    return for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows_u8<T, D, nr()>(p, n, r0, sc); });
+  }
 #if KVSERVE_NATIVE_BF16
   if constexpr (kKeyLanes<T, D>) return accumulate_tile_bf16<D>(p, n, rows, sc);
 #endif
@@ -507,8 +643,8 @@ int64_t locate_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_
 template <typename T, int D>
 void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* rows) {
   const int64_t n = locate_first_tile(p, it, h, rows);
-  prefetch_rows<T, D>(p.k, rows, 0, n);
-  prefetch_rows<T, D>(p.v, rows, 0, n);
+  prefetch_rows(p, p.k_pool, rows, 0, n);
+  prefetch_rows(p, p.v_pool, rows, 0, n);
 }
 
 // Attention for one (item, KV head). Its first tile was fetched into sc.keys by the
@@ -516,11 +652,38 @@ void fetch_first_tile(const Problem<T>& p, const Item& it, int64_t h, int64_t* r
 // the score and sum loops), and after the last tile, the first tile of `then` (the
 // thread's next work item), so loads never wait idle. An item that is one run of several
 // leaves its state in `partial` for merge_parts.
+// The tile's n K and V rows, stored in another form than T, widened into the scratch's T rows
+// where the products do not read them as stored: K unless the scores read int8 codes, V unless
+// it is int8 (so only bf16 rows, and int8 keys under fp32 queries, which stay exact).
+template <typename T, int D>
+void stage_tile(const Problem<T>& p, int64_t n, Scratch& sc) {
+  const bool keys = !scores_read_codes(p), values = p.kv_dtype != at::kByte;
+  if (!keys && !values) return;
+  T* k = reinterpret_cast<T*>(sc.kbuf.data());
+  T* v = reinterpret_cast<T*>(sc.vbuf.data());
+  for (int64_t t = 0; t < n; ++t) {
+    if (keys) stage_row(p.k_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, k + t * D, D);
+    if (values) stage_row(p.v_pool + sc.keys[t] * p.pool_elem, p.kv_dtype, v + t * D, D);
+    sc.staged[t] = t * D;
+  }
+  sc.tile = sc.staged.data();
+}
+
+// What the products of a staged problem read: the thread's widened tile.
+template <typename T>
+Problem<T> staged_view(const Problem<T>& p, Scratch& sc) {
+  Problem<T> view = p;
+  view.k = reinterpret_cast<const T*>(sc.kbuf.data());
+  view.v = reinterpret_cast<const T*>(sc.vbuf.data());
+  return view;
+}
+
 template <typename T, int D>
 void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* then, int64_t then_h, Scratch& sc,
                  float* partial) {
   const int64_t rows = load_queries<T, D>(p, it, h, sc);
   const auto [begin, keys] = key_range(p, it);
+  const Problem<T> c = p.staged ? staged_view(p, sc) : p;
   for (int64_t t0 = begin; t0 < keys; t0 += kTileTokens) {
     const int64_t n = std::min(kTileTokens, keys - t0);
     sc.next_n = 0;
@@ -529,14 +692,17 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
     } else if (then != nullptr) {
       sc.next_n = locate_first_tile(p, *then, then_h, sc.next_keys.data());
     }
-    score_tile<T, D>(p, n, rows, sc);
+    sc.tile = sc.keys.data();
+    if (p.staged) stage_tile<T, D>(p, n, sc);
+    score_tile<T, D>(c, n, rows, sc);
     mask_tile(t0, n, rows, sc);
     softmax_tile(n, rows, sc);
-    accumulate_tile<T, D>(p, n, rows, sc);
+    accumulate_tile<T, D>(c, n, rows, sc);
     std::swap(sc.keys, sc.next_keys);
   }
 #if KVSERVE_NATIVE_BF16
-  if constexpr (kKeyLanes<T, D>) unpermute_acc<D>(sc, rows);
+  if constexpr (kKeyLanes<T, D>)
+    if (p.kv_dtype != at::kByte) unpermute_acc<D>(sc, rows);  // int8 values accumulate in dim order
 #endif
   if (it.parts == 1) return store_output<T, D>(p, it, h, sc);
   float* state = partial + h * rows * (D + 2);  // per row: max, sum, output
@@ -663,8 +829,13 @@ Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Te
   p.out = out.mutable_data_ptr<T>();
   p.q_row = q.stride(0), p.q_head = q.stride(1);
   p.out_row = out.stride(0), p.out_head = out.stride(1);
-  p.k = k_cache.const_data_ptr<T>();
-  p.v = v_cache.const_data_ptr<T>();
+  p.kv_dtype = k_cache.scalar_type();
+  p.staged = p.kv_dtype != q.scalar_type();
+  p.k_pool = static_cast<const char*>(k_cache.const_data_ptr());
+  p.v_pool = static_cast<const char*>(v_cache.const_data_ptr());
+  p.k = p.staged ? nullptr : reinterpret_cast<const T*>(p.k_pool);
+  p.v = p.staged ? nullptr : reinterpret_cast<const T*>(p.v_pool);
+  p.pool_elem = k_cache.element_size(), p.row_bytes = k_cache.size(3) * p.pool_elem;
   p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
   p.tables = tables.const_data_ptr<int64_t>();
   p.table_stride = tables.stride(0);
@@ -688,10 +859,15 @@ void check_attention_inputs(const at::Tensor& out, const at::Tensor& q, const at
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [rows, heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
               "k_cache and v_cache must be [blocks, block_size, kv_heads, head_dim] with equal strides");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() &&
-                  q.scalar_type() == out.scalar_type(), "q, out and the caches must share a dtype");
-  TORCH_CHECK(q.size(2) == k_cache.size(3) && k_cache.size(2) > 0 && q.size(1) % k_cache.size(2) == 0,
-              "head_dim must match and query heads must be a multiple of KV heads");
+  const at::ScalarType dtype = q.scalar_type(), kv = k_cache.scalar_type();
+  TORCH_CHECK(dtype == out.scalar_type() && kv == v_cache.scalar_type(), "q and out, and the caches, must share a dtype");
+  TORCH_CHECK(kv == dtype || (kv == at::kBFloat16 && dtype == at::kFloat) ||
+                  (kv == at::kByte && (dtype == at::kFloat || dtype == at::kBFloat16)),
+              "the caches must be of q's dtype, bf16 under fp32 q, or int8 rows (uint8) under fp32 or bf16 q; got ",
+              kv, " under ", dtype);
+  TORCH_CHECK(q.size(2) + (kv == at::kByte ? kQuantTail : 0) == k_cache.size(3) && k_cache.size(2) > 0 &&
+                  q.size(1) % k_cache.size(2) == 0,
+              "head_dim must match (int8 rows: head_dim + 8 bytes) and query heads must be a multiple of KV heads");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
   const int64_t num_seqs = context_lens.size(0);
   TORCH_CHECK(tables.dim() == 2 && tables.size(0) == num_seqs && query_start.numel() == num_seqs &&

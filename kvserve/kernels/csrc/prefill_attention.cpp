@@ -25,6 +25,9 @@
 //   interleaved in key pairs into the B operand, once per step for all row tiles. The
 //   dot products read the same operands: a 32-bit pair of one operand broadcast against
 //   a vector of the other's.
+// K/V stored in another form than q (bf16 under fp32 q, int8 rows under either: vec.h's
+// stage_row) are widened step by step into T rows in scratch, each row once for all the
+// item's row tiles, and the products read those; on AMX an int8 cache so becomes bf16 tiles.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -54,9 +57,14 @@ struct ProblemOf {
   const T* q;
   T* out;
   int64_t q_row, q_head, out_row, out_head;
-  const T* k;
+  const T* k;  // null where the caches are staged
   const T* v;
   int64_t c_block, c_token, c_head, block_size;
+  const char* k_pool;  // the caches as stored
+  const char* v_pool;
+  int64_t pool_elem, row_bytes;  // bytes of a cache element, of one (token, head) row
+  at::ScalarType kv_dtype;
+  bool staged;  // K/V are stored in another form than T
   const int64_t* tables;
   int64_t table_stride;
   const int64_t* query_start;
@@ -74,6 +82,18 @@ template <typename T>
 const T* key_row(const ProblemOf<T>& p, const T* base, int64_t seq, int64_t t, int64_t h) {
   const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
   return base + block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head;
+}
+
+// The same row as stored, as bytes (for the prefetches and the staging).
+template <typename T>
+const char* pool_row(const ProblemOf<T>& p, const char* pool, int64_t seq, int64_t t, int64_t h) {
+  const int64_t block = p.tables[seq * p.table_stride + t / p.block_size];
+  return pool + (block * p.c_block + (t % p.block_size) * p.c_token + h * p.c_head) * p.pool_elem;
+}
+
+template <typename T>
+void prefetch_row(const ProblemOf<T>& p, const char* row) {
+  for (int64_t b = 0; b < p.row_bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
 }
 
 struct Item {
@@ -195,6 +215,11 @@ struct Scratch {
   alignas(64) float s[kStep][kRows];                        // S^T of a step
   alignas(64) at::BFloat16 p[kRows][kStep];                 // P of a step, the A operand
   alignas(64) at::BFloat16 zeros[64] = {};
+  alignas(64) at::BFloat16 kbuf[kStep][kMaxHeadDim];  // a staged step's K and V rows
+  alignas(64) at::BFloat16 vbuf[kStep][kMaxHeadDim];
+  const at::BFloat16* page[2];  // the step's two K pages (16 rows, `stride` apart), null past its keys
+  int64_t stride;
+  const at::BFloat16* vrow[kStep];  // the step's V rows (zeros past its keys)
 };
 
 void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) {
@@ -226,15 +251,14 @@ void load_row_tile(const Problem& p, const Item& it, int64_t row0, RowTile& rt) 
 // V rows [t0, t0 + 32) interleaved in key pairs; keys past the context, or before the
 // item's first readable key `first`, become zeros (their probabilities are 0, but 0 * a
 // stale NaN would not be).
-void pack_values(const Problem& p, const Item& it, int64_t t0, int64_t first, Scratch& sc) {
-  const int64_t ctx = p.context_lens[it.seq], d = p.head_dim;
+void pack_values(const Problem& p, Scratch& sc) {
+  const int64_t d = p.head_dim;
   const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
                                       37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
   const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
   for (int64_t kp = 0; kp < kStep / 2; ++kp) {
-    const int64_t t = t0 + 2 * kp;
-    const at::BFloat16* a = t < ctx && t >= first ? key_row(p, p.v, it.seq, t, it.head) : sc.zeros;
-    const at::BFloat16* b = t + 1 < ctx && t + 1 >= first ? key_row(p, p.v, it.seq, t + 1, it.head) : sc.zeros;
+    const at::BFloat16* a = sc.vrow[2 * kp];
+    const at::BFloat16* b = sc.vrow[2 * kp + 1];
     for (int64_t c = 0; c < d / 32; ++c) {
       const __m512i va = _mm512_loadu_si512(a + (a == sc.zeros ? 0 : c * 32));
       const __m512i vb = _mm512_loadu_si512(b + (b == sc.zeros ? 0 : c * 32));
@@ -254,7 +278,7 @@ inline __m512bh pair_at(const at::BFloat16* x) {
 // S^T of one page's 16 keys (`k`: the first, rows c_token apart) for the tile's 16 rows,
 // as dot products: each key's dim pairs broadcast against Q^T's vectors; 8 keys at a
 // time share each load of Q^T.
-void page_scores_dot(const Problem& p, const at::BFloat16* k, const RowTile& rt, float (*s)[kRows]) {
+void page_scores_dot(const Problem& p, const at::BFloat16* k, int64_t stride, const RowTile& rt, float (*s)[kRows]) {
   for (int64_t j0 = 0; j0 < kPage; j0 += 8) {
     __m512 acc[8];
     for (int j = 0; j < 8; ++j) acc[j] = _mm512_setzero_ps();
@@ -262,7 +286,7 @@ void page_scores_dot(const Problem& p, const at::BFloat16* k, const RowTile& rt,
       for (int64_t jp = 0; jp < 16; ++jp) {
         const __m512bh qv = (__m512bh)_mm512_load_si512(rt.qt[c][jp]);
         for (int j = 0; j < 8; ++j)
-          acc[j] = _mm512_dpbf16_ps(acc[j], pair_at(k + (j0 + j) * p.c_token + c * 32 + 2 * jp), qv);
+          acc[j] = _mm512_dpbf16_ps(acc[j], pair_at(k + (j0 + j) * stride + c * 32 + 2 * jp), qv);
       }
     for (int j = 0; j < 8; ++j) _mm512_store_ps(s[j0 + j], acc[j]);
   }
@@ -271,20 +295,18 @@ void page_scores_dot(const Problem& p, const at::BFloat16* k, const RowTile& rt,
 // S^T [32 keys][16 rows] for keys [t0, t0 + 32); a page past the context or before the
 // first readable key (`first` is block-aligned, so a page is wholly on one side) is all -inf.
 template <bool Amx>
-void scores(const Problem& p, const Item& it, int64_t t0, int64_t first, const RowTile& rt, Scratch& sc) {
-  const int64_t ctx = p.context_lens[it.seq];
+void scores(const Problem& p, const RowTile& rt, Scratch& sc) {
   for (int64_t half = 0; half < 2; ++half) {
-    const int64_t t = t0 + half * kPage;
-    if (t >= ctx || t < first) {
+    const at::BFloat16* k = sc.page[half];
+    if (k == nullptr) {
       for (int64_t j = 0; j < kPage; ++j) _mm512_store_ps(sc.s[half * kPage + j], _mm512_set1_ps(-INFINITY));
       continue;
     }
-    const at::BFloat16* k = key_row(p, p.k, it.seq, t, it.head);
 #if KVSERVE_AMX
     if constexpr (Amx) {
       _tile_zero(0);
       for (int64_t c = 0; c < p.head_dim / 32; ++c) {
-        _tile_loadd(2, k + c * 32, p.c_token * 2);
+        _tile_loadd(2, k + c * 32, sc.stride * 2);
         _tile_loadd(3, rt.qt[c], 64);
         _tile_dpbf16ps(0, 2, 3);
       }
@@ -292,7 +314,7 @@ void scores(const Problem& p, const Item& it, int64_t t0, int64_t first, const R
       continue;
     }
 #endif
-    page_scores_dot(p, k, rt, sc.s + half * kPage);
+    page_scores_dot(p, k, sc.stride, rt, sc.s + half * kPage);
   }
 }
 
@@ -388,14 +410,35 @@ void store_rows(const Problem& p, const Item& it, int64_t row0, const RowTile& r
 // the cached prefix sits in random pages, out of the hardware prefetcher's sight.
 void prefetch_step(const Problem& p, const Item& it, int64_t t0) {
   const int64_t end = std::min<int64_t>(t0 + kStep, p.context_lens[it.seq]);
-  for (int64_t t = t0; t < end; t += kPage) {
-    const int64_t block = p.tables[it.seq * p.table_stride + t / p.block_size];
-    const int64_t first = block * p.c_block + (t % p.block_size) * p.c_token + it.head * p.c_head;
-    for (int64_t j = 0; j < std::min(kPage, end - t); ++j)
-      for (int64_t d = 0; d < p.head_dim; d += 32) {
-        _mm_prefetch(reinterpret_cast<const char*>(p.k + first + j * p.c_token + d), _MM_HINT_T1);
-        _mm_prefetch(reinterpret_cast<const char*>(p.v + first + j * p.c_token + d), _MM_HINT_T1);
-      }
+  for (int64_t t = t0; t < end; ++t) {
+    prefetch_row(p, pool_row(p, p.k_pool, it.seq, t, it.head));
+    prefetch_row(p, pool_row(p, p.v_pool, it.seq, t, it.head));
+  }
+}
+
+// The step's K pages and V rows (keys [t0, t0 + 32)): in the pages, or staged into sc.kbuf / vbuf.
+// Keys past the context, or before the item's first readable key `first` (block-aligned, so a
+// page is wholly on one side), are no page and zero V rows (their probabilities are 0, but 0
+// times a stale NaN would not be).
+void locate_step(const Problem& p, const Item& it, int64_t t0, int64_t first, Scratch& sc) {
+  const int64_t ctx = p.context_lens[it.seq];
+  auto readable = [&](int64_t t) { return t < ctx && t >= first; };
+  sc.stride = p.staged ? kMaxHeadDim : p.c_token;
+  for (int64_t j = 0; j < kStep; ++j) {
+    const int64_t t = t0 + j;
+    if (!readable(t)) {
+      sc.vrow[j] = sc.zeros;
+    } else if (p.staged) {
+      stage_row(pool_row(p, p.k_pool, it.seq, t, it.head), p.kv_dtype, sc.kbuf[j], p.head_dim);
+      stage_row(pool_row(p, p.v_pool, it.seq, t, it.head), p.kv_dtype, sc.vbuf[j], p.head_dim);
+      sc.vrow[j] = sc.vbuf[j];
+    } else {
+      sc.vrow[j] = key_row(p, p.v, it.seq, t, it.head);
+    }
+  }
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t t = t0 + half * kPage;
+    sc.page[half] = !readable(t) ? nullptr : p.staged ? sc.kbuf[half * kPage] : key_row(p, p.k, it.seq, t, it.head);
   }
 }
 
@@ -409,12 +452,13 @@ void attend_item(const Problem& p, const Item& it, Scratch& sc) {
   const int64_t first = lowest / p.block_size * p.block_size;
   for (int64_t t0 = first / kStep * kStep; t0 < keys; t0 += kStep) {
     prefetch_step(p, it, t0 + kStep);
-    pack_values(p, it, t0, first, sc);
+    locate_step(p, it, t0, first, sc);
+    pack_values(p, sc);
     for (int64_t t = 0; t < ntiles; ++t) {
       RowTile& rt = sc.tiles[t];
       if (t0 >= rt.max_limit) continue;  // every key of this step is in this tile's future
       if (p.window > 0 && t0 + kStep <= rt.min_limit - p.window) continue;  // and in the past of its window
-      scores<Amx>(p, it, t0, first, rt, sc);
+      scores<Amx>(p, rt, sc);
       attend_step<Amx>(p, t0, rt, sc);
     }
   }
@@ -453,6 +497,8 @@ struct Scratch {
   alignas(64) float alpha[kRows];
   const float* k[kStep];  // the step's K and V rows
   const float* v[kStep];
+  alignas(64) float kbuf[kStep][kMaxHeadDim];  // a staged step's K and V rows
+  alignas(64) float vbuf[kStep][kMaxHeadDim];
 };
 
 // 2^x for x <= 0: degree-5 polynomial on the fraction, the exponent put in by integer
@@ -585,14 +631,19 @@ void store_rows(const Problem& p, const Item& it, int64_t row0, const RowTile& r
 int64_t locate_step(const Problem& p, const Item& it, int64_t t0, Scratch& sc) {
   const int64_t ctx = p.context_lens[it.seq], n = std::min(kStep, ctx - t0);
   for (int64_t j = 0; j < n; ++j) {
-    sc.k[j] = key_row(p, p.k, it.seq, t0 + j, it.head);
-    sc.v[j] = key_row(p, p.v, it.seq, t0 + j, it.head);
-  }
-  for (int64_t t = t0 + kStep; t < std::min(t0 + 2 * kStep, ctx); ++t)
-    for (int64_t d = 0; d < p.head_dim; d += 16) {
-      __builtin_prefetch(key_row(p, p.k, it.seq, t, it.head) + d, 0, 2);
-      __builtin_prefetch(key_row(p, p.v, it.seq, t, it.head) + d, 0, 2);
+    if (p.staged) {
+      stage_row(pool_row(p, p.k_pool, it.seq, t0 + j, it.head), p.kv_dtype, sc.kbuf[j], p.head_dim);
+      stage_row(pool_row(p, p.v_pool, it.seq, t0 + j, it.head), p.kv_dtype, sc.vbuf[j], p.head_dim);
+      sc.k[j] = sc.kbuf[j], sc.v[j] = sc.vbuf[j];
+    } else {
+      sc.k[j] = key_row(p, p.k, it.seq, t0 + j, it.head);
+      sc.v[j] = key_row(p, p.v, it.seq, t0 + j, it.head);
     }
+  }
+  for (int64_t t = t0 + kStep; t < std::min(t0 + 2 * kStep, ctx); ++t) {
+    prefetch_row(p, pool_row(p, p.k_pool, it.seq, t, it.head));
+    prefetch_row(p, pool_row(p, p.v_pool, it.seq, t, it.head));
+  }
   return n;
 }
 
@@ -644,8 +695,13 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
     p.q = q.const_data_ptr<T>();
     p.out = out.mutable_data_ptr<T>();
     p.q_row = q.stride(0), p.q_head = q.stride(1), p.out_row = out.stride(0), p.out_head = out.stride(1);
-    p.k = k_cache.const_data_ptr<T>();
-    p.v = v_cache.const_data_ptr<T>();
+    p.kv_dtype = k_cache.scalar_type();
+    p.staged = p.kv_dtype != q.scalar_type();
+    p.k_pool = static_cast<const char*>(k_cache.const_data_ptr());
+    p.v_pool = static_cast<const char*>(v_cache.const_data_ptr());
+    p.k = p.staged ? nullptr : reinterpret_cast<const T*>(p.k_pool);
+    p.v = p.staged ? nullptr : reinterpret_cast<const T*>(p.v_pool);
+    p.pool_elem = k_cache.element_size(), p.row_bytes = k_cache.size(3) * p.pool_elem;
     p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
     p.block_size = k_cache.size(1);
     p.tables = tables.const_data_ptr<int64_t>();

@@ -18,6 +18,8 @@ TORCH_LIBRARY(kvserve, m) {
   m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale, int window=0) -> ()");
   m.impl("paged_attention", c10::DispatchKey::CPU, &kvserve::paged_attention);
+  m.def("write_kv(Tensor k, Tensor v, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.impl("write_kv", c10::DispatchKey::CPU, &kvserve::write_kv);
   m.def("supported_head_dims() -> int[]", &kvserve::supported_head_dims);
   m.def("vector_isa() -> str", &kvserve::vector_isa);
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "

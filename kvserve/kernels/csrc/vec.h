@@ -4,6 +4,7 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <cstring>
 #include <type_traits>
 #include <utility>
 
@@ -84,6 +85,65 @@ inline float hsum(const fVec& v) {
 }
 inline float hmax(const fVec& v) {
   return at::vec::vec_reduce_all<float>([](const fVec& a, const fVec& b) { return at::vec::maximum(a, b); }, v);
+}
+
+// K/V stored in another form than the compute dtype T (layers/attention/kv_quant.py for int8):
+// bf16 under fp32 compute, or int8 rows of uint8 codes followed by the row's fp32 scale and
+// minimum. The attention kernels widen such rows to T in a small buffer (once per row, for
+// every query row that reads it) and run their T paths on it.
+constexpr int64_t kQuantTail = 8;  // bytes after an int8 row's codes: fp32 scale, fp32 minimum
+
+// W uint8 codes as fp32 lanes.
+inline fVec load_codes(const uint8_t* p) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))));
+#else
+  float f[W];
+  for (int64_t i = 0; i < W; ++i) f[i] = p[i];
+  return fVec::loadu(f);
+#endif
+}
+
+// W fp32 lanes stored as T (bf16: rounded to nearest even, as PyTorch's casts do).
+template <typename T>
+inline void store_f32(T* p, const fVec& a) {
+  if constexpr (std::is_same_v<T, float>) {
+    a.store(p);
+  } else {
+    at::vec::convert_from_float<T>(a, a).store(p, W);
+  }
+}
+
+// d values (a multiple of W) from f(i), W at a time, stored as T: 2W at a time where d allows
+// (one native conversion to bf16 per 2W, not a partial store per W).
+template <typename T, typename F>
+inline void store_row(T* dst, int64_t d, F f) {
+  int64_t i = 0;
+  for (; i + W2 <= d; i += W2) store2_f32(dst + i, f(i), f(i + W));
+  if (i < d) store_f32(dst + i, f(i));
+}
+
+// A stored row of d values (a multiple of W) as T: bf16 widened (exact: a 16-bit shift), int8
+// as code * scale + minimum in fp32 (kv_quant.dequantize_kv), then rounded to T.
+template <typename T>
+inline void widen_row(const at::BFloat16* src, T* dst, int64_t d) {
+  store_row(dst, d, [&](int64_t i) { return load_f32(src + i); });
+}
+template <typename T>
+inline void dequantize_row(const uint8_t* src, T* dst, int64_t d) {
+  float scale_min[2];
+  std::memcpy(scale_min, src + d, sizeof(scale_min));
+  const fVec scale(scale_min[0]), lo(scale_min[1]);
+  store_row(dst, d, [&](int64_t i) { return load_codes(src + i) * scale + lo; });
+}
+
+// One row as stored (`kv`: bf16 or uint8) into T.
+template <typename T>
+inline void stage_row(const char* src, at::ScalarType kv, T* dst, int64_t d) {
+  if (kv == at::kByte) return dequantize_row(reinterpret_cast<const uint8_t*>(src), dst, d);
+  if constexpr (std::is_same_v<T, float>) widen_row(reinterpret_cast<const at::BFloat16*>(src), dst, d);
 }
 
 }  // namespace kvserve

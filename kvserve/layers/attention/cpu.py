@@ -8,19 +8,24 @@ each K/V row once. Prefill chunks past a few queries go to a second kernel
 place: for bf16 models on the AMX tile unit or with `vdpbf16ps` dot products (on AMX 1.5-3x
 faster than SDPA on a gathered copy of the context), for fp32 models on AVX2 hosts with FMAs.
 Both are part of kvserve's CPU extension (`kvserve/kernels`); where that does not build,
-the CPU platform keeps `TorchAttention`.
+the CPU platform keeps `TorchAttention`. Both also read K/V stored in another form than the
+compute dtype (bf16 under fp32, int8 rows under either), widening rows in place of a cast
+copy; with such a cache no chunk goes to SDPA (which would need that copy): without a
+prefill kernel the paged kernel takes every chunk.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
 
 from kvserve.kernels.paged_attention import KernelRows, paged_attention
 from kvserve.kernels.prefill_attention import DTYPES, prefill_attention
-from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, TorchAttention, write_kv
+from kvserve.kernels.write_kv import write_kv
+from kvserve.layers.attention.backend import AttentionMetadata, PrefillSeq, TorchAttention
 
 # Prefill chunks up to this many queries go to the paged kernel, by the prefill kernel the
 # CPU has. AMX's tiles beat the paged kernel on every chunk. Without a prefill kernel (fp16;
@@ -68,7 +73,7 @@ class CpuPagedAttention:
         write_kv(k, v, kv_cache, meta.slot_mapping)
         q = q if q.stride(-1) == 1 else q.contiguous()
         out = torch.empty_like(q)
-        batch = self.plan(meta, q.dtype, kv_cache.shape[2])
+        batch = self.plan(meta, q.dtype, kv_cache.shape[2], kv_cache.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1])
         window = meta.sliding_window or 0
         if batch.paged.query_lens.numel():
@@ -80,11 +85,17 @@ class CpuPagedAttention:
             out[rows] = TorchAttention._prefill(q[rows], k[rows], v[rows], kv_cache, seq)
         return out.flatten(1)
 
-    def plan(self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int) -> KernelBatch:
+    def plan(
+        self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
+    ) -> KernelBatch:
         """Once per metadata (every layer of a KV group shares one in a step), kept on it."""
         if not isinstance(meta.backend_state, KernelBatch):
             usable = DTYPES.get(self.prefill_kernel) == dtype and block_size % 16 == 0
-            meta.backend_state = kernel_batch(meta, self.max_prefill_queries, self.prefill_kernel if usable else "")
+            kernel = self.prefill_kernel if usable else ""
+            limit = self.max_prefill_queries
+            if not kernel and kv_dtype not in (None, dtype):  # SDPA would need a cast copy: the paged kernel
+                limit = sys.maxsize
+            meta.backend_state = kernel_batch(meta, limit, kernel)
         return meta.backend_state
 
 
