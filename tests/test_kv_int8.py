@@ -86,10 +86,12 @@ def test_a_constant_row_comes_back_exactly():
     assert (q[..., :32] == 0).all() and torch.equal(dequantize_kv(q), x)
 
 
-def test_int8_resolves_to_a_uint8_pool_the_kernels_leave_to_pytorch():
+def test_int8_resolves_to_a_uint8_pool_the_kernels_read_where_built():
+    from kvserve.kernels.build import available
+
     platform = get_platform("cpu", "float32", "int8")
     assert platform.kv_dtype == torch.uint8
-    assert isinstance(platform.attention_backend(64), TorchAttention)
+    assert isinstance(platform.attention_backend(64), TorchAttention) is not available()
 
 
 # --- TorchAttention on an int8 pool -----------------------------------------------------------
