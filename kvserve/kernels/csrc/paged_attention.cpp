@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "paged_problem.h"
 #include "vec.h"
 
 namespace kvserve {
@@ -58,26 +59,9 @@ static_assert(kTileTokens % W == 0, "score rows are processed in whole vectors")
 
 // What every work item reads: raw pointers and strides, checked once per call.
 template <typename T>
-struct Problem {
-  const T* q;
-  T* out;
-  int64_t q_row, q_head, out_row, out_head;  // strides of q / out [rows, heads, D]
-  const T* k;  // the rows the products read: the caches, or for staged K/V the thread's widened tile
-  const T* v;
-  int64_t c_block, c_token, c_head;  // strides of the K and V caches [blocks, block_size, heads, D]
-  const char* k_pool;  // the caches as stored, for the prefetches and the staging
-  const char* v_pool;
-  int64_t pool_elem, row_bytes;  // bytes of a cache element, of one (token, head) row
-  at::ScalarType kv_dtype;
-  bool staged;  // K/V are stored in another form than T
-  const int64_t* tables;
-  int64_t table_stride, num_blocks, block_size;
-  const int64_t* query_start;  // [num_seqs] first row of each sequence in q / out
-  const int64_t* query_lens;  // [num_seqs]
-  const int32_t* context_lens;  // [num_seqs]
-  int64_t kv_heads, group;  // group: query heads per KV head
+struct Problem : PagedProblem<T> {
+  int64_t num_blocks, kv_heads;
   float scale;
-  int64_t window;  // sliding window, 0 for none
 };
 
 struct Item {
@@ -825,27 +809,9 @@ Problem<T> make_problem(const at::Tensor& out, const at::Tensor& q, const at::Te
                         const at::Tensor& query_lens, const at::Tensor& context_lens, double scale,
                         int64_t window) {
   Problem<T> p;
-  p.q = q.const_data_ptr<T>();
-  p.out = out.mutable_data_ptr<T>();
-  p.q_row = q.stride(0), p.q_head = q.stride(1);
-  p.out_row = out.stride(0), p.out_head = out.stride(1);
-  p.kv_dtype = k_cache.scalar_type();
-  p.staged = p.kv_dtype != q.scalar_type();
-  p.k_pool = static_cast<const char*>(k_cache.const_data_ptr());
-  p.v_pool = static_cast<const char*>(v_cache.const_data_ptr());
-  p.k = p.staged ? nullptr : reinterpret_cast<const T*>(p.k_pool);
-  p.v = p.staged ? nullptr : reinterpret_cast<const T*>(p.v_pool);
-  p.pool_elem = k_cache.element_size(), p.row_bytes = k_cache.size(3) * p.pool_elem;
-  p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
-  p.tables = tables.const_data_ptr<int64_t>();
-  p.table_stride = tables.stride(0);
-  p.num_blocks = k_cache.size(0), p.block_size = k_cache.size(1);
-  p.query_start = query_start.const_data_ptr<int64_t>();
-  p.query_lens = query_lens.const_data_ptr<int64_t>();
-  p.context_lens = context_lens.const_data_ptr<int32_t>();
-  p.kv_heads = k_cache.size(2), p.group = q.size(1) / k_cache.size(2);
+  fill_paged_problem<T>(p, out, q, k_cache, v_cache, tables, query_start, query_lens, context_lens, window);
+  p.num_blocks = k_cache.size(0), p.kv_heads = k_cache.size(2);
   p.scale = static_cast<float>(scale);
-  p.window = window;
   return p;
 }
 

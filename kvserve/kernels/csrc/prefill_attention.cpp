@@ -42,6 +42,7 @@
 
 #include "amx.h"
 #include "ops.h"
+#include "paged_problem.h"
 #include "vec.h"
 
 #if defined(__AVX512BF16__)
@@ -53,26 +54,9 @@ namespace {
 
 // One call's chunks and cache, for queries, K/V and output of element type T.
 template <typename T>
-struct ProblemOf {
-  const T* q;
-  T* out;
-  int64_t q_row, q_head, out_row, out_head;
-  const T* k;  // null where the caches are staged
-  const T* v;
-  int64_t c_block, c_token, c_head, block_size;
-  const char* k_pool;  // the caches as stored
-  const char* v_pool;
-  int64_t pool_elem, row_bytes;  // bytes of a cache element, of one (token, head) row
-  at::ScalarType kv_dtype;
-  bool staged;  // K/V are stored in another form than T
-  const int64_t* tables;
-  int64_t table_stride;
-  const int64_t* query_start;
-  const int64_t* query_lens;
-  const int32_t* context_lens;
-  int64_t group, head_dim;
+struct ProblemOf : PagedProblem<T> {
+  int64_t head_dim;
   float scale_log2;  // softmax scale times log2(e): the softmax runs in base 2
-  int64_t window;    // sliding window, 0 for none
 };
 
 constexpr int64_t kMaxHeadDim = 256;  // both element types' per-tile buffers are sized for it
@@ -692,26 +676,9 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_
   TORCH_CHECK(q.size(2) % 32 == 0 && q.size(2) <= kMaxHeadDim && k_cache.size(1) % 16 == 0,
               "prefill_attention: head_dim must be a multiple of 32 up to 256, block_size a multiple of 16");
   auto fill = [&]<typename T>(ProblemOf<T>& p) {
-    p.q = q.const_data_ptr<T>();
-    p.out = out.mutable_data_ptr<T>();
-    p.q_row = q.stride(0), p.q_head = q.stride(1), p.out_row = out.stride(0), p.out_head = out.stride(1);
-    p.kv_dtype = k_cache.scalar_type();
-    p.staged = p.kv_dtype != q.scalar_type();
-    p.k_pool = static_cast<const char*>(k_cache.const_data_ptr());
-    p.v_pool = static_cast<const char*>(v_cache.const_data_ptr());
-    p.k = p.staged ? nullptr : reinterpret_cast<const T*>(p.k_pool);
-    p.v = p.staged ? nullptr : reinterpret_cast<const T*>(p.v_pool);
-    p.pool_elem = k_cache.element_size(), p.row_bytes = k_cache.size(3) * p.pool_elem;
-    p.c_block = k_cache.stride(0), p.c_token = k_cache.stride(1), p.c_head = k_cache.stride(2);
-    p.block_size = k_cache.size(1);
-    p.tables = tables.const_data_ptr<int64_t>();
-    p.table_stride = tables.stride(0);
-    p.query_start = starts.const_data_ptr<int64_t>();
-    p.query_lens = qlens.const_data_ptr<int64_t>();
-    p.context_lens = lens.const_data_ptr<int32_t>();
-    p.group = q.size(1) / k_cache.size(2), p.head_dim = q.size(2);
+    fill_paged_problem<T>(p, out, q, k_cache, v_cache, tables, starts, qlens, lens, window);
+    p.head_dim = q.size(2);
     p.scale_log2 = static_cast<float>(scale / std::log(2.0));
-    p.window = window;
   };
   if (q.scalar_type() == at::kFloat) {
     TORCH_CHECK(!use_amx, "prefill_attention: AMX tiles take bf16 only");
