@@ -8,6 +8,8 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvserve.kv_cache.tiers.breaker import BreakerState
+
 SHARED_TIERS = ("redis", "redis-cluster")  # the tiers replicas share (a P/D handoff can go through them)
 
 
@@ -88,9 +90,14 @@ class KVTier(ABC):
         """None where the tier does not bound itself (Redis: its own maxmemory)."""
 
     @property
+    def breaker_state(self) -> BreakerState:
+        """Its circuit breaker's state, as /metrics reports it (closed for a tier without one)."""
+        return BreakerState.CLOSED
+
+    @property
     def available(self) -> bool:
         """False while the tier has stepped aside after errors (circuit breaker open)."""
-        return True
+        return self.breaker_state == BreakerState.CLOSED
 
     def shards(self) -> list[ShardSnapshot]:
         """Per shard, for a tier spread over several (none for the others)."""

@@ -34,7 +34,14 @@ from kvserve.kv_cache.tiers.base import KVTier, ShardSnapshot, TierStats
 from kvserve.kv_cache.tiers.breaker import BreakerState, CircuitBreaker
 from kvserve.kv_cache.tiers.namespace import Namespace
 from kvserve.kv_cache.tiers.record import encode
-from kvserve.kv_cache.tiers.redis_tier import HEALTH_CHECK_INTERVAL, INFO_MAX_AGE, check_record, error_kind, redis_key
+from kvserve.kv_cache.tiers.redis_tier import (
+    HEALTH_CHECK_INTERVAL,
+    MemoryFigures,
+    MemoryInfo,
+    check_record,
+    error_kind,
+    redis_key,
+)
 from kvserve.logger import logger
 
 SCHEMES = {"redis+cluster": False, "rediss+cluster": True}  # scheme -> TLS
@@ -113,8 +120,7 @@ class RedisClusterTier(KVTier):
         self._lock = threading.Lock()
         self._refresh_due = 0.0
         self._pool = ThreadPoolExecutor(MAX_PARALLEL_SHARDS, thread_name_prefix="kvserve-kv-shard")
-        self._info: tuple[int, int | None] = (0, None)
-        self._info_expires = 0.0
+        self._memory = MemoryInfo(self._fetch_memory)
 
     # the KVTier interface
 
@@ -167,12 +173,12 @@ class RedisClusterTier(KVTier):
     @property
     def used_bytes(self) -> int:
         """Every master's `used_memory`, summed (0 until known)."""
-        return self._memory_info()[0]
+        return self._memory.get()[0]
 
     @property
     def capacity_bytes(self) -> int | None:
         """Every master's `maxmemory`, summed; None where one has none (or none is known yet)."""
-        return self._memory_info()[1]
+        return self._memory.get()[1]
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -181,10 +187,6 @@ class RedisClusterTier(KVTier):
         if BreakerState.CLOSED in states:
             return BreakerState.CLOSED
         return BreakerState.HALF_OPEN if BreakerState.HALF_OPEN in states else BreakerState.OPEN
-
-    @property
-    def available(self) -> bool:
-        return self.breaker_state == BreakerState.CLOSED
 
     def shards(self) -> list[ShardSnapshot]:
         return [
@@ -386,23 +388,18 @@ class RedisClusterTier(KVTier):
         with self._lock:
             return sorted(self._shards.values(), key=lambda s: s.name)
 
-    def _memory_info(self) -> tuple[int, int | None]:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._info_expires:
-                return self._info
-            self._info_expires = now + INFO_MAX_AGE  # claimed: concurrent readers keep the last figures
+    def _fetch_memory(self) -> MemoryFigures | None:
+        """Every master's figures, summed (maxmemory None where one has none); None where one fails."""
         cluster = self._client()
         if cluster is None:
-            return self._info
+            return None
         infos = [self._call(cluster, n, lambda n=n: [cluster.get_redis_connection(n).info("memory")])
                  for n in cluster.get_primaries()]  # fmt: skip
-        if infos and all(i is not None for i in infos):
-            figures = [(int(i[0].get("used_memory", 0)), int(i[0].get("maxmemory", 0))) for i in infos]
-            capped = all(cap for _, cap in figures)
-            with self._lock:
-                self._info = (sum(u for u, _ in figures), sum(c for _, c in figures) if capped else None)
-        return self._info
+        if not infos or any(i is None for i in infos):
+            return None
+        figures = [(int(i[0].get("used_memory", 0)), int(i[0].get("maxmemory", 0))) for i in infos]
+        capped = all(cap for _, cap in figures)
+        return sum(u for u, _ in figures), sum(c for _, c in figures) if capped else None
 
     def _succeeded(self, shard: _Shard) -> None:
         with self._lock:

@@ -73,6 +73,33 @@ def error_kind(exc: BaseException) -> str:
     return "other"
 
 
+MemoryFigures = tuple[int, int | None]  # used_memory, maxmemory (None: unbounded)
+
+
+class MemoryInfo:
+    """A Redis deployment's memory figures, asked at most every INFO_MAX_AGE seconds (/metrics and
+    the dashboard read them often); a failed ask (`fetch` returns None) keeps the last ones known,
+    still the best estimate."""
+
+    def __init__(self, fetch: Callable[[], MemoryFigures | None]):
+        self._fetch = fetch
+        self._lock = threading.Lock()
+        self._figures: MemoryFigures = (0, None)
+        self._expires = 0.0
+
+    def get(self) -> MemoryFigures:
+        now = time.monotonic()
+        with self._lock:
+            if now < self._expires:
+                return self._figures
+            self._expires = now + INFO_MAX_AGE  # claimed: concurrent readers keep the last figures
+        figures = self._fetch()
+        if figures is not None:
+            with self._lock:
+                self._figures = figures
+        return self._figures
+
+
 class RedisTier(KVTier):
     name = "redis"
 
@@ -107,8 +134,7 @@ class RedisTier(KVTier):
         self._where = _describe(self._client)  # for logs: never the URL, which may hold a password
         self._lock = threading.Lock()
         self._stepped_aside = False  # what the last transition logged, so each is logged once
-        self._info: tuple[int, int | None] = (0, None)  # used_memory, maxmemory (None: unbounded)
-        self._info_expires = 0.0
+        self._memory = MemoryInfo(self._fetch_memory)
 
     def contains(self, keys: Sequence[bytes]) -> int:
         if not keys:
@@ -175,16 +201,12 @@ class RedisTier(KVTier):
     def used_bytes(self) -> int:
         """The server's `used_memory` (all its data, every replica's blocks; 0 until known): what
         this process wrote and nobody evicted is not knowable here."""
-        return self._memory_info()[0]
+        return self._memory.get()[0]
 
     @property
     def capacity_bytes(self) -> int | None:
         """The server's `maxmemory`; None where it has none (or it is not known yet)."""
-        return self._memory_info()[1]
-
-    @property
-    def available(self) -> bool:
-        return self.breaker.state == BreakerState.CLOSED
+        return self._memory.get()[1]
 
     @property
     def breaker_state(self) -> BreakerState:
@@ -194,18 +216,9 @@ class RedisTier(KVTier):
         self._client.close()
         self._client.connection_pool.disconnect()
 
-    def _memory_info(self) -> tuple[int, int | None]:
-        now = time.monotonic()
-        with self._lock:
-            if now < self._info_expires:
-                return self._info
-            self._info_expires = now + INFO_MAX_AGE  # claimed: concurrent readers keep the last figures
+    def _fetch_memory(self) -> MemoryFigures | None:
         info = self._run(lambda: self._client.info("memory"))
-        if info is not _MISS:
-            figures = (int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)) or None)
-            with self._lock:
-                self._info = figures
-        return self._info  # on a failure, the last figures known: still the best estimate
+        return None if info is _MISS else (int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)) or None)
 
     def _run(self, op: Callable[[], T]) -> T | object:
         """`op()`, or _MISS where the breaker refuses (no socket touched) or the call fails."""

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from kvserve.kv_cache.events import DISK, HOST, BlockRemoved, BlockStored, KVCacheEvent
-from kvserve.kv_cache.tiers.base import KVTier, ShardSnapshot
-from kvserve.kv_cache.tiers.breaker import BreakerState
+from kvserve.kv_cache.tiers.base import SHARED_TIERS, KVTier, ShardSnapshot
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
 from kvserve.logger import logger
@@ -209,7 +208,7 @@ class TieredKVStore:
         self.namespace = namespace
         self.tiers = list(tiers)
         self.local = [t for t in tiers if t.name in ("host", "disk")]
-        self.shared = [t for t in tiers if t.name not in ("host", "disk", "handoff")]
+        self.shared = [t for t in tiers if t.name in SHARED_TIERS]
         # blocks pulled from a prefill replica: looked up first, never written to by the store
         self.handoff = next((t for t in tiers if t.name == "handoff"), None)
         self.write_policy = WritePolicy(write_policy)
@@ -390,7 +389,7 @@ class TieredKVStore:
         snaps = []
         for tier in self.tiers:
             use, st = self.use[tier.name], tier.stats
-            state = getattr(tier, "breaker_state", BreakerState.CLOSED)
+            state = tier.breaker_state
             errors = dict(st.errors) | ({"load_timeout": self.errors["load_timeout"]} if tier in self.shared else {})
             hist = LoadHistogram(list(use.load_seconds.counts), use.load_seconds.total)
             snaps.append(
