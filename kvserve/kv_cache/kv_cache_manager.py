@@ -725,10 +725,11 @@ class KVCacheManager:
         last read of them ends and the engine next expires leases)."""
         with self.lease_lock:
             lease = self.leases.get(owner)
-            if lease is None or lease.readers:
-                if lease is not None:
-                    lease.released = True
-                return lease is not None
+            if lease is None:
+                return False
+            lease.released = True
+            if lease.readers:
+                return True
             del self.leases[owner]
         self.pool.free_blocks(reversed(lease.blocks))
         return True
@@ -737,12 +738,11 @@ class KVCacheManager:
         """Free the leases past their deadline and those released while read; returns how many."""
         with self.lease_lock:
             done = [o for o, x in self.leases.items() if not x.readers and (x.released or x.deadline <= now)]
-            expired = sum(not self.leases[o].released for o in done)
-        for owner in done:
-            self.leases[owner].released = False
-            self.release(owner)
-        self.num_expired_leases += expired
-        return len(done)
+            self.num_expired_leases += sum(not self.leases[o].released for o in done)
+            freed = [self.leases.pop(o) for o in done]
+        for lease in freed:
+            self.pool.free_blocks(reversed(lease.blocks))
+        return len(freed)
 
     @property
     def num_leased_blocks(self) -> int:

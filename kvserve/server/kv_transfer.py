@@ -155,10 +155,7 @@ async def pull_blocks(params: dict[str, Any], keys: list[bytes], secret: bytes, 
     start = time.perf_counter()
     try:
         data = await asyncio.to_thread(_fetch, base, json.dumps(body).encode(), headers)
-    except asyncio.CancelledError:  # the client left: the pull that releases may never have arrived
-        release_in_background(params, secret)
-        raise
-    except PullFailed:
+    except (asyncio.CancelledError, PullFailed):  # left or failed: the pull that releases may not have arrived
         release_in_background(params, secret)
         raise
     if len(data) % record_bytes:
