@@ -28,7 +28,7 @@ def kernel_built():
         pytest.skip(f"CPU paged-attention kernel unavailable: {reason}")
 
 
-def make_batch(decode_lens, prefills, heads, kv_heads, head_dim, dtype, seed=0):
+def make_batch(decode_lens, prefills, heads, kv_heads, head_dim, dtype, seed=0, block_size=BS, window=None):
     """Random q/k/v and a pool whose blocks are handed out in random order.
 
     decode_lens: context length of each decode (its new token is the last one);
@@ -36,24 +36,25 @@ def make_batch(decode_lens, prefills, heads, kv_heads, head_dim, dtype, seed=0):
     """
     g = torch.Generator().manual_seed(seed)
     seqs = [(n - 1, 1) for n in decode_lens] + list(prefills)
-    blocks_needed = [-(-(p + n) // BS) for p, n in seqs]
+    blocks_needed = [-(-(p + n) // block_size) for p, n in seqs]
     pool = torch.randperm(sum(blocks_needed) + 8, generator=g) + 1  # block 0 only ever padding
-    kv = torch.randn(2, sum(blocks_needed) + 10, BS, kv_heads, head_dim, generator=g).to(dtype)
+    kv = torch.randn(2, sum(blocks_needed) + 10, block_size, kv_heads, head_dim, generator=g).to(dtype)
     tables, slots, prefill_seqs, offset, start = [], [], [], 0, 0
     for (prefix, n), nb in zip(seqs, blocks_needed, strict=True):
         table = pool[offset : offset + nb]
         offset += nb
         pos = torch.arange(prefix, prefix + n)
-        slots.append(table[pos // BS] * BS + pos % BS)
+        slots.append(table[pos // block_size] * block_size + pos % block_size)
         if len(tables) < len(decode_lens):
             tables.append(table.tolist())
         else:
-            prefill_seqs.append(_prefill_seq(start, prefix, n, table, BS))
+            prefill_seqs.append(_prefill_seq(start, prefix, n, table, block_size, window))
         start += n
     meta = AttentionMetadata(
         slot_mapping=torch.cat(slots),
         num_decode_tokens=len(decode_lens),
         prefills=prefill_seqs,
+        sliding_window=window,
         **_decode_tensors(tables, list(decode_lens)),
     )
     q, k, v = (torch.randn(start, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
@@ -280,7 +281,7 @@ def test_chunks_split_between_kernels_by_path():
 def test_prefill_kernel_only_for_its_dtype(path, dtype):
     """A chunk of another dtype than the path's goes where it would without a prefill kernel (SDPA)."""
     *_, meta = make_batch([], [(0, 40)], 9, 3, 64, dtype)
-    plan = CpuPagedAttention(prefill_kernel=path).plan(meta, dtype, BS)
+    plan = CpuPagedAttention(prefill_kernel=path).plan(meta, dtype, BS, dtype)
     assert plan.chunks is None and [s.query_len for s in plan.torch_prefills] == [40]
 
 

@@ -47,12 +47,16 @@ KERNEL_KV_DTYPES = {
 @dataclass
 class CpuPlatform(Platform):
     def reads_kv(self, kv_dtype: torch.dtype) -> bool:
-        # the kernels (and the C++ loop) read K/V of the compute dtype, bf16 under fp32 and int8
-        # under either (widened or dequantized as they read); without them the PyTorch path reads any
-        return kv_dtype in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)) or not available()
+        # without the kernels the PyTorch path is the fastest, and it reads any
+        return self._kernels_read(kv_dtype) or not available()
+
+    def _kernels_read(self, kv_dtype: torch.dtype) -> bool:
+        """The kernels (and the C++ loop) read K/V of the compute dtype, bf16 under fp32 and int8
+        under either (widened or dequantized as they read)."""
+        return kv_dtype in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,))
 
     def attention_backend(self, head_dim: int) -> AttentionBackend:
-        if self.kv_dtype not in KERNEL_KV_DTYPES.get(self.dtype, (self.dtype,)):  # the PyTorch path casts
+        if not self._kernels_read(self.kv_dtype):  # the PyTorch path casts
             return TorchAttention()
         if paged_attention.supports(head_dim):
             supported = prefill_attention.supports(head_dim, self.dtype)

@@ -123,13 +123,9 @@ def from_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return dequantize_kv(x, dtype) if x.dtype == torch.uint8 else x.to(dtype)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store the new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
-    store_kv(to_stored(k, kv_cache.dtype), to_stored(v, kv_cache.dtype), kv_cache, slots)
-
-
 def store_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """`write_kv` of K/V already in the pool's stored form."""
+    """The new tokens' K/V, already in the pool's stored form (`to_stored`), at their slots
+    (slot = block_id * block_size + offset)."""
     heads, dim = kv_cache.shape[-2:]
     kv_cache[0].view(-1, heads, dim).index_copy_(0, slots, k)
     kv_cache[1].view(-1, heads, dim).index_copy_(0, slots, v)

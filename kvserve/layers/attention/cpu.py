@@ -85,15 +85,13 @@ class CpuPagedAttention:
             out[rows] = TorchAttention._prefill(q[rows], k[rows], v[rows], kv_cache, seq)
         return out.flatten(1)
 
-    def plan(
-        self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype | None = None
-    ) -> KernelBatch:
+    def plan(self, meta: AttentionMetadata, dtype: torch.dtype, block_size: int, kv_dtype: torch.dtype) -> KernelBatch:
         """Once per metadata (every layer of a KV group shares one in a step), kept on it."""
         if not isinstance(meta.backend_state, KernelBatch):
             usable = DTYPES.get(self.prefill_kernel) == dtype and block_size % 16 == 0
             kernel = self.prefill_kernel if usable else ""
             limit = self.max_prefill_queries
-            if not kernel and kv_dtype not in (None, dtype):  # SDPA would need a cast copy: the paged kernel
+            if not kernel and kv_dtype != dtype:  # SDPA would need a cast copy: the paged kernel
                 limit = sys.maxsize
             meta.backend_state = kernel_batch(meta, limit, kernel)
         return meta.backend_state
