@@ -37,7 +37,7 @@ FORWARD_CATEGORIES = {
         "kvserve::small_batch_linear",
     ),
     "attention": ("kvserve::paged_attention", "kvserve::prefill_attention", "aten::scaled_dot_product_attention"),
-    "kv_write": ("aten::index_copy_",),
+    "kv_write": ("aten::index_copy_", "kvserve::write_kv"),
 }
 
 
