@@ -24,15 +24,16 @@ from safetensors.torch import load_file, save_file
 
 from kvserve import LLM, SamplingParams
 from kvserve.engine.async_engine import replica_info
-from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
 from kvserve.kv_cache.tiers.namespace import Namespace
 from kvserve.kv_cache.tiers.record import BadRecord, decode, encode
 from kvserve.layers.attention import kv_quant
-from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
+from kvserve.layers.attention.backend import TorchAttention
 from kvserve.layers.attention.kv_quant import dequantize_kv, quantize_kv
 from kvserve.platforms import get_platform
 from kvserve.sampling_params import BeamSearchParams
+from tests.test_cpu_attention import make_batch
 from tests.test_gemma3_engine import tiny_gemma3_dir  # noqa: F401 (a fixture)
+from tests.test_kv_tiers_engine import run
 from tests.test_server_common import TINY_ARGS, ServerThread, wait_idle, write_keys
 
 BLOCK = 16
@@ -100,30 +101,8 @@ def test_int8_resolves_to_a_uint8_pool_the_kernels_read_where_built():
 def paged_batch(bs: int, decode_lens, prefills, heads: int, kv_heads: int, dim: int, window=None, seed=0):
     """q/k/v, an int8 pool of random history (blocks in random order) and the float pool holding
     its dequantized values, and the metadata; prefills are (cached prefix, new tokens)."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = [(n - 1, 1) for n in decode_lens] + list(prefills)
-    needed = [-(-(p + n) // bs) for p, n in seqs]
-    ids = torch.randperm(sum(needed) + 3, generator=g) + 1  # block 0 is only padding
-    pool8 = quantize_kv(torch.randn(2, sum(needed) + 4, bs, kv_heads, dim, generator=g) * 2 + 1)
-    tables, slots, prefill_seqs, offset, start = [], [], [], 0, 0
-    for i, ((prefix, n), nb) in enumerate(zip(seqs, needed, strict=True)):
-        table = ids[offset : offset + nb]
-        offset += nb
-        pos = torch.arange(prefix, prefix + n)
-        slots.append(table[pos // bs] * bs + pos % bs)
-        if i < len(decode_lens):
-            tables.append(table.tolist())
-        else:
-            prefill_seqs.append(_prefill_seq(start, prefix, n, table, bs, window))
-        start += n
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        num_decode_tokens=len(decode_lens),
-        prefills=prefill_seqs,
-        sliding_window=window,
-        **_decode_tensors(tables, list(decode_lens)),
-    )
-    q, k, v = (torch.randn(start, h, dim, generator=g) for h in (heads, kv_heads, kv_heads))
+    q, k, v, pool, meta = make_batch(decode_lens, prefills, heads, kv_heads, dim, torch.float32, seed, bs, window)
+    pool8 = quantize_kv(pool * 2 + 1)
     return q, k, v, pool8, dequantize_kv(pool8), meta
 
 
@@ -171,19 +150,8 @@ def int8(model_dir: Path, **kwargs) -> LLM:
     return LLM(model=str(model_dir), dtype="float32", block_size=BLOCK, **kwargs)
 
 
-def run(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list:
-    engine = llm.llm_engine
-    ids = [engine.add_request(p, params) for p in prompts]
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    return [done[i] for i in ids]
-
-
 def tokens(llm: LLM, prompts: list[list[int]], params=GREEDY) -> list[list[int]]:
-    return [list(o.outputs[0].token_ids) for o in run(llm, prompts, params)]
+    return [list(o.outputs[0].token_ids) for o in run(llm, prompts, params=params)]
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +260,7 @@ def test_n_samples_and_beams_fork_int8_blocks(sharp_tiny_dir):
     p = prompt(30, 37)  # the last block partly filled: forks share it until a write copies it
     roomy = int8(sharp_tiny_dir, num_kv_blocks=64, enable_prefix_caching=False)
     (one,) = tokens(roomy, [p])
-    (three,) = run(int8(sharp_tiny_dir, num_kv_blocks=64), [p], SamplingParams(temperature=0, n=3, max_tokens=8))
+    (three,) = run(int8(sharp_tiny_dir, num_kv_blocks=64), [p], params=SamplingParams(temperature=0, n=3, max_tokens=8))
     assert [list(c.token_ids) for c in three.outputs] == [one] * 3
     beams = BeamSearchParams(4, 24)
     want = roomy.generate([p], [beams], use_tqdm=False)[0]

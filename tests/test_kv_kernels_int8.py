@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cpu_attention import PREFILL_PATHS, assert_bf16_close, assert_prefill_close
+from test_cpu_attention import PREFILL_PATHS, assert_bf16_close, assert_prefill_close, make_batch
 
-from kvserve.engine.model_runner import _decode_tensors, _prefill_seq
 from kvserve.kernels import build, prefill_attention
 from kvserve.kernels.paged_attention import KernelRows, paged_attention
 from kvserve.kernels.write_kv import write_kv
-from kvserve.layers.attention.backend import AttentionMetadata, TorchAttention
+from kvserve.layers.attention.backend import TorchAttention
 from kvserve.layers.attention.cpu import CpuPagedAttention
 from kvserve.layers.attention.kv_quant import dequantize_kv, quantize_kv, stored_head_dim
 from kvserve.platforms.cpu import CpuPlatform
@@ -55,30 +54,7 @@ def seen(stored: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def make_case(decode_lens, prefills, heads, kv_heads, head_dim, block_size, dtype, kv_dtype, window=None, seed=0):
     """Random q/k/v (in `dtype`) and a pool stored as `kv_dtype` with blocks handed out at random."""
-    g = torch.Generator().manual_seed(seed)
-    seqs = [(n - 1, 1) for n in decode_lens] + list(prefills)
-    needed = [-(-(p + n) // block_size) for p, n in seqs]
-    order = torch.randperm(sum(needed) + 4, generator=g) + 1
-    pool = torch.randn(2, sum(needed) + 6, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    tables, slots, chunks, offset, start = [], [], [], 0, 0
-    for (prefix, n), nb in zip(seqs, needed, strict=True):
-        table = order[offset : offset + nb]
-        offset += nb
-        pos = torch.arange(prefix, prefix + n)
-        slots.append(table[pos // block_size] * block_size + pos % block_size)
-        if len(tables) < len(decode_lens):
-            tables.append(table.tolist())
-        else:
-            chunks.append(_prefill_seq(start, prefix, n, table, block_size, window))
-        start += n
-    meta = AttentionMetadata(
-        slot_mapping=torch.cat(slots),
-        num_decode_tokens=len(decode_lens),
-        prefills=chunks,
-        sliding_window=window,
-        **_decode_tensors(tables, list(decode_lens)),
-    )
-    q, k, v = (torch.randn(start, h, head_dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
+    q, k, v, pool, meta = make_batch(decode_lens, prefills, heads, kv_heads, head_dim, dtype, seed, block_size, window)
     return q, k, v, store(pool, kv_dtype), meta
 
 
