@@ -210,6 +210,8 @@ def test_page_shows_a_redis_cluster_tier_shard_by_shard(tiny_model_dir, tmp_path
         assert fields[f"{prefix}.queries"] == str(shard["queries"]) != "0"
         assert fields[f"{prefix}.state"] == ["ok", "stepped aside", "trying again"][shard["breaker_state"]]
         assert (shard["breaker_state"] == 0) == (scraped[("kvserve:kv_tier_shard_breaker_state", labels)] == 0)
+    shard_names = {n for n in grafana_dashboard.metric_names(grafana_dashboard.load()) if "kv_tier_shard_" in n}
+    assert shard_names and shard_names <= {name for name, _ in scraped}, sorted(shard_names)
 
 
 def test_page_and_endpoint_need_the_key(server):
@@ -235,7 +237,8 @@ def test_grafana_dashboard_reads_only_metrics_the_server_exports(server):
     complete(server, ALICE, prompt=list(range(40, 80)), max_tokens=3, ignore_eos=True)  # every histogram has samples
     names = grafana_dashboard.metric_names(grafana_dashboard.load())
     exported = {name for name, _ in metrics(server.url)}
-    replica_names = {n for n in names if not n.startswith("kvserve:router_")}
+    # the router's series come from the router, the shards' only from a cluster tier (the test below)
+    replica_names = {n for n in names if not n.startswith(("kvserve:router_", "kvserve:kv_tier_shard_"))}
     assert replica_names and replica_names <= exported, sorted(replica_names - exported)
     for wanted in ("time_to_first_token_seconds_bucket", "inter_token_latency_seconds_bucket", "kv_tier_hits_total"):
         assert f"kvserve:{wanted}" in names  # the panels operators look at first

@@ -163,6 +163,36 @@ def test_a_dead_shard_misses_alone_and_its_breaker_opens(redis_cluster, monkeypa
     tier.close()
 
 
+def test_a_failover_is_a_miss_then_the_promoted_replica_serves_and_the_old_master_is_forgotten():
+    servers = RedisClusterServers(replicas=True)
+    tier = RedisClusterTier(servers.url(seeds=1), NS, breaker=lambda: CircuitBreaker(cooldown=0.2))
+    try:
+        items = blocks(60)
+        keys = [k for k, _ in items]
+        tier.put(items)
+        old = f"127.0.0.1:{servers.ports[0]}"
+        moved = {k for k in keys if tier.shard_of(k) == old}
+        assert 0 < len(moved) < len(keys)
+        servers.replicate(0)
+        servers.kill(0)
+        got = timed(lambda: tier.get(keys))  # the failover in progress: its keys miss, the rest hit
+        assert all(p is not None for k, p in zip(keys, got, strict=True) if k not in moved)
+        servers.wait_promoted(0)
+        deadline = time.monotonic() + 10
+        while not all(p is not None for p in timed(lambda: tier.get(keys))):
+            assert time.monotonic() < deadline, "the promoted replica's blocks never hit"
+            time.sleep(0.25)
+        assert tier.get(keys) == [p for _, p in items]
+        promoted = f"127.0.0.1:{servers.ports[servers.masters]}"
+        assert {tier.shard_of(k) for k in moved} == {promoted}
+        names = {s.name for s in tier.shards()}
+        assert old not in names and promoted in names and len(names) == 3
+        assert {s.breaker_state for s in tier.shards()} == {BreakerState.CLOSED}
+    finally:
+        tier.close()
+        servers.close()
+
+
 def test_a_cluster_that_is_gone_is_a_miss():
     tier = RedisClusterTier("redis+cluster://127.0.0.1:1,127.0.0.1:2", NS, breaker=lambda: CircuitBreaker(cooldown=60))
     items = blocks(2)

@@ -10,8 +10,9 @@ once (ASKING, then the command, at the node it names), and asks for a refresh of
 Faults are misses, per shard: each master has its own circuit breaker, so a dead shard costs
 one bounded timeout per call until its breaker opens, then its keys miss at no cost while the
 other shards serve theirs. A failed shard or a redirect refreshes the slot map (at most once a
-second), so a replica promoted by a failover is found. A cluster unreachable when the tier is
-first used is a miss too: discovery is retried under a breaker of its own.
+second), so a replica promoted by a failover is found and the master it replaced is forgotten.
+A cluster unreachable when the tier is first used is a miss too: discovery is retried under a
+breaker of its own.
 """
 
 from __future__ import annotations
@@ -376,6 +377,18 @@ class RedisClusterTier(KVTier):
             cluster.nodes_manager.initialize()
         except _FAULTS as exc:
             logger.debug("Redis Cluster tier %s: slot map refresh failed (%s)", self._where, exc)
+            return
+        self._drop_departed({n.name for n in cluster.get_primaries()})
+
+    def _drop_departed(self, masters: set[str]) -> None:
+        """Forget shards the slot map no longer names (a master replaced by its promoted replica),
+        so that /metrics and the dashboard show the cluster as it is, not every master it had."""
+        with self._lock:
+            departed = [name for name in self._shards if name not in masters]
+            for name in departed:
+                del self._shards[name]
+        if departed:
+            logger.info("Redis Cluster tier: %s no longer a master of the cluster; dropped", ", ".join(departed))
 
     def _shard(self, name: str) -> _Shard:
         shard = self._shards.get(name)
