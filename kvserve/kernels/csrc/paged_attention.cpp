@@ -25,9 +25,8 @@
 // there with the paths above), except int8 rows where a product reads them as codes, in the
 // factored form q . k = scale * (q . codes) + minimum * sum(q), sum_t p_t v_t = sum_t (p_t *
 // scale_t) codes_t + sum_t p_t minimum_t: int8 values always, int8 keys under bf16 queries
-// (with AVX512-BF16 the codes widened to bf16, exact, for the same dot products as bf16 keys).
-// So int8 K/V enter the products as fp32 dequantizes them, never rounded to bf16 (under fp32
-// queries the staged rows are fp32).
+// (with AVX512-BF16 on integer dot products: score_tile_bf16_u8). So int8 K/V enter the products as
+// their codes, never rounded to bf16 (under fp32 queries the staged rows are fp32, exact).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -93,6 +92,8 @@ constexpr bool kF32KeyLanes =
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha, qsum;  // qsum: each row's sum of its queries, as in q or qb
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
+  std::vector<int16_t> qi;   // under int8 keys with AVX512-BF16: each row's queries as int16 codes
+  std::vector<float> qscale;  // and their scale (quantize_query)
   int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
   std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
@@ -100,7 +101,8 @@ struct Scratch {
   std::vector<int64_t> staged;    // their offsets in kbuf / vbuf
   const int64_t* tile = nullptr;  // the offsets the products read this tile's rows at: keys or staged
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), qb(rows * d), s(rows * kTileTokens), m(rows), l(rows), alpha(rows), qsum(rows),
+      : q(rows * d), acc(rows * d), qb(rows * d), qi(rows * d), qscale(rows), s(rows * kTileTokens), m(rows), l(rows),
+        alpha(rows), qsum(rows),
         limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens), kbuf(kTileTokens * d),
         vbuf(kTileTokens * d), staged(kTileTokens) {}
   // Room for `rows` rows of `d` dims; what the buffers held is overwritten before it is read.
@@ -120,6 +122,20 @@ struct Scratch {
   return sc;
 }
 
+// int16 codes that integer dot products with int8 rows' codes read: x ~= scale * code, |code| <=
+// kCodeMax, to half a step of max |x| / kCodeMax (1 part in 65,534; bf16 itself keeps 1 in 256).
+constexpr float kCodeMax = 32767.f;
+
+// One query row as codes; returns their scale (0 for a row of zeros).
+template <int D, typename T>
+float quantize_query(const T* q, int16_t* codes) {
+  float mx = 0.f;
+  for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(static_cast<float>(q[d])));
+  const float inv = mx > 0.f ? kCodeMax / mx : 0.f;
+  for (int64_t d = 0; d < D; ++d) codes[d] = static_cast<int16_t>(std::lrintf(static_cast<float>(q[d]) * inv));
+  return mx / kCodeMax;
+}
+
 // The item's queries (row r = query (r / group), head r % group of the group): scaled
 // fp32 copies, or the stored bf16 for the key-lanes path; zeroed state, and each row's
 // causal limit.
@@ -136,6 +152,7 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
         float sum = 0.f;  // for int8 keys' minima (unscaled, as qb)
         for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(src[d]);
         sc.qsum[r] = sum;
+        if (p.kv_dtype == at::kByte) sc.qscale[r] = quantize_query<D>(src, &sc.qi[r * D]);
       } else {
         float sum = 0.f;
         for (int64_t d = 0; d < D; ++d) sum += (sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale);
@@ -221,18 +238,40 @@ void for_row_blocks(int64_t rows, F f) {
 // stored (exact); the scale multiplies the 16 scores instead.
 
 // One vector whose lane i is the total of acc[slot(i)], where slot(i) = 4 * (i % 4) + i / 4
-// (the order the shuffles below leave the lanes in).
-inline __m512 reduce16(__m512* a) {
+// (the order the shuffles below leave the lanes in); `add` sums two vectors' lanes.
+template <typename Add>
+inline __m512 reduce16_by(const __m512* a, Add add) {
   __m512 b[8], c[4], d[2];
   for (int i = 0; i < 8; ++i)
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+    b[i] = add(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
   for (int i = 0; i < 4; ++i)
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    c[i] = add(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88), _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
   for (int i = 0; i < 2; ++i)
-    d[i] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+    d[i] = add(_mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0x44), _mm512_shuffle_ps(c[2 * i], c[2 * i + 1], 0xEE));
+  return add(_mm512_shuffle_ps(d[0], d[1], 0x88), _mm512_shuffle_ps(d[0], d[1], 0xDD));
+}
+
+inline __m512 reduce16(const __m512* a) {
+  return reduce16_by(a, [](__m512 x, __m512 y) { return _mm512_add_ps(x, y); });
+}
+
+// The same of int32 lanes, converted to fp32 once summed.
+inline __m512 reduce16_epi32(const __m512i* a) {
+  __m512 f[16];
+  for (int i = 0; i < 16; ++i) f[i] = _mm512_castsi512_ps(a[i]);
+  const __m512 sum = reduce16_by(f, [](__m512 x, __m512 y) {
+    return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(x), _mm512_castps_si512(y)));
+  });
+  return _mm512_cvtepi32_ps(_mm512_castps_si512(sum));
+}
+
+// acc + the sums of each int32 lane's two int16 products (vpdpwssd; vpmaddwd and an add without VNNI).
+inline __m512i dot_epi16(__m512i acc, __m512i a, __m512i b) {
+#if defined(__AVX512VNNI__)
+  return _mm512_dpwssd_epi32(acc, a, b);
+#else
+  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
 }
 
 // Keys outer, rows inner: each 16 keys' addresses are worked out once for all the rows
@@ -263,37 +302,43 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
   prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
 }
 
-// int8 keys under bf16 queries: 16 keys' codes widened to bf16 once (exact: 0..255 fit in bf16's
-// 8 bits), the same dot products as score_tile_bf16's, then each key's scale and minimum.
+// int8 K/V under bf16 queries, on integer dot products: the queries (quantize_query) and each
+// row's weights p_t * scale_t (weigh_tile) as int16 codes, the rows' uint8 codes widened to int16
+// (one instruction per 32), 32 products summed exactly per instruction (vpdpwssd) into int32, then
+// scaled in fp32. Widening the codes to fp32 or bf16 instead (two instructions per 16) left int8
+// slower than bf16 K/V where bf16 already ran at ~80% of read bandwidth. The only rounding added is
+// the int16 codes' (see kCodeMax). The integer sums fit int32 for head dims up to 256.
+
+// Scores: 16 keys' codes widened once, dot products with each row's query codes, then
+// s = scale_t * qscale * (codes_q . codes_t) + minimum_t * sum(q).
 template <int D>
 void score_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
+  static_assert(int64_t{D} * 255 * 32767 <= INT32_MAX, "a key's dot product must fit int32");
   constexpr int NQ = D / 32;
   const auto* k = reinterpret_cast<const uint8_t*>(p.k_pool);
-  alignas(64) uint16_t codes[16][D];
+  alignas(64) int16_t codes[16][D];
   alignas(64) float kscale[16], kmin[16];
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
     for (int i = 0; i < 16; ++i) {
       const uint8_t* key = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
-      for (int j = 0; j < NQ; ++j) {
-        const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(key + j * 32))));
-        const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(key + j * 32 + 16))));
-        _mm512_store_si512(&codes[i][j * 32], to_bf16(lo, hi));
-      }
+      for (int j = 0; j < NQ; ++j)
+        _mm512_store_si512(&codes[i][j * 32], _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(key + j * 32))));
       float scale_min[2];
       std::memcpy(scale_min, key + D, sizeof(scale_min));
       kscale[i] = scale_min[0] * p.scale, kmin[i] = scale_min[1] * p.scale;
     }
     const __m512 scale = _mm512_load_ps(kscale), minimum = _mm512_load_ps(kmin);
     for (int64_t r = 0; r < rows; ++r) {
-      __m512bh q[NQ];
-      for (int j = 0; j < NQ; ++j) q[j] = (__m512bh)_mm512_loadu_si512(&sc.qb[r * D + j * 32]);
-      __m512 acc[16];
+      __m512i q[NQ];
+      for (int j = 0; j < NQ; ++j) q[j] = _mm512_loadu_si512(&sc.qi[r * D + j * 32]);
+      __m512i acc[16];
       for (int i = 0; i < 16; ++i) {
-        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_load_si512(codes[i]), q[0]);
-        for (int j = 1; j < NQ; ++j) a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_load_si512(&codes[i][j * 32]), q[j]);
+        __m512i a = dot_epi16(_mm512_setzero_si512(), _mm512_load_si512(codes[i]), q[0]);
+        for (int j = 1; j < NQ; ++j) a = dot_epi16(a, _mm512_load_si512(&codes[i][j * 32]), q[j]);
         acc[4 * (i % 4) + i / 4] = a;
       }
-      const __m512 s = _mm512_fmadd_ps(reduce16(acc), scale, _mm512_mul_ps(minimum, _mm512_set1_ps(sc.qsum[r])));
+      const __m512 rscale = _mm512_mul_ps(scale, _mm512_set1_ps(sc.qscale[r]));
+      const __m512 s = _mm512_fmadd_ps(reduce16_epi32(acc), rscale, _mm512_mul_ps(minimum, _mm512_set1_ps(sc.qsum[r])));
       _mm512_storeu_ps(&sc.s[r * kTileTokens + t0], s);
     }
     prefetch_next(p, p.k_pool, sc, t0, t0 + 16);
@@ -337,6 +382,108 @@ void accumulate_rows_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t r0,
 template <int D>
 void accumulate_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
   for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows_bf16<D, nr()>(p, n, r0, sc); });
+}
+
+// int8 values on integer dot products (head dims a multiple of 64): two tokens' codes interleaved,
+// so one vpdpwssd adds w_t * c_t[d] + w_t+1 * c_t+1[d] for 16 dims, each row's weights w_t = p_t *
+// scale_t as int16 codes of one scale per tile. The unpacking leaves each 64 dims in the order
+// int_value_dim gives, which acc keeps until unpermute_acc_u8.
+template <int D>
+constexpr bool kIntValues = D % 64 == 0;
+
+// The tile's weights for row r as int16 codes, two tokens' in each int32 (tokens n.. weigh 0); returns
+// their scale, and in `lo` the row's sum_t p_t * minimum_t.
+template <int D>
+float weigh_tile(const float* probs, const float* vscale, const float* vmin, int64_t padded, int16_t* codes, float& lo) {
+  __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m512 pt = _mm512_loadu_ps(probs + t);
+    mx = _mm512_max_ps(mx, _mm512_mul_ps(pt, _mm512_load_ps(vscale + t)));
+    sum = _mm512_fmadd_ps(pt, _mm512_load_ps(vmin + t), sum);
+  }
+  lo = _mm512_reduce_add_ps(sum);
+  const float wmax = _mm512_reduce_max_ps(mx);
+  const __m512 inv = _mm512_set1_ps(wmax > 0.f ? kCodeMax / wmax : 0.f);
+  for (int64_t t = 0; t < padded; t += 16) {
+    const __m512 w = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(probs + t), _mm512_load_ps(vscale + t)), inv);
+    _mm256_store_si256((__m256i*)(codes + t), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32(w)));
+  }
+  return wmax / kCodeMax;
+}
+
+template <int D, int NR>
+void accumulate_rows_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t r0, Scratch& sc, const float* vscale,
+                             const float* vmin) {
+  constexpr int NA = D / 16;  // int32 accumulators per row, 16 dims each
+  const int64_t padded = (n + 15) / 16 * 16;
+  alignas(64) int16_t weights[NR][kTileTokens];
+  float wscale[NR], lo[NR];
+  for (int i = 0; i < NR; ++i)
+    wscale[i] = weigh_tile<D>(&sc.s[(r0 + i) * kTileTokens], vscale, vmin, padded, weights[i], lo[i]);
+  __m512i a[NR][NA];
+  for (int i = 0; i < NR; ++i)
+    for (int j = 0; j < NA; ++j) a[i][j] = _mm512_setzero_si512();
+  const auto* pool = reinterpret_cast<const uint8_t*>(p.v_pool);
+  for (int64_t t = 0; t < n; t += 2) {
+    if (r0 == 0) prefetch_next(p, p.v_pool, sc, t, t + 2);
+    const uint8_t* x = pool + sc.keys[t];
+    const uint8_t* y = pool + sc.keys[std::min<int64_t>(t + 1, n - 1)];  // past n: weight 0
+    __m512i w[NR];
+    for (int i = 0; i < NR; ++i) {
+      int32_t pair;
+      std::memcpy(&pair, &weights[i][t], sizeof(pair));
+      w[i] = _mm512_set1_epi32(pair);
+    }
+    for (int c = 0; c < D / 64; ++c) {
+      const __m512i xs = _mm512_loadu_si512(x + c * 64), ys = _mm512_loadu_si512(y + c * 64);
+      const __m512i lo8 = _mm512_unpacklo_epi8(xs, ys), hi8 = _mm512_unpackhi_epi8(xs, ys);
+      const __m512i v[4] = {
+          _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo8)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo8, 1)),
+          _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi8)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi8, 1))};
+      for (int i = 0; i < NR; ++i)
+        for (int k = 0; k < 4; ++k) a[i][4 * c + k] = dot_epi16(a[i][4 * c + k], v[k], w[i]);
+    }
+  }
+  if (r0 == 0) prefetch_next(p, p.v_pool, sc, (n + 1) / 2 * 2, kTileTokens);
+  for (int i = 0; i < NR; ++i) {
+    float* acc = &sc.acc[(r0 + i) * D];
+    const __m512 alpha = _mm512_set1_ps(sc.alpha[r0 + i]), ws = _mm512_set1_ps(wscale[i]), low = _mm512_set1_ps(lo[i]);
+    for (int j = 0; j < NA; ++j) {
+      const __m512 old = _mm512_fmadd_ps(_mm512_loadu_ps(acc + j * 16), alpha, low);
+      _mm512_storeu_ps(acc + j * 16, _mm512_fmadd_ps(_mm512_cvtepi32_ps(a[i][j]), ws, old));
+    }
+  }
+}
+
+template <int D>
+void accumulate_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
+  alignas(64) float vscale[kTileTokens], vmin[kTileTokens];
+  const auto* pool = reinterpret_cast<const uint8_t*>(p.v_pool);
+  for (int64_t t = 0; t < kTileTokens; ++t) {
+    float scale_min[2] = {0.f, 0.f};
+    if (t < n) std::memcpy(scale_min, pool + sc.keys[t] + D, sizeof(scale_min));
+    vscale[t] = scale_min[0], vmin[t] = scale_min[1];
+  }
+  for_row_blocks<kRowBlock<D>>(
+      rows, [&](auto nr, int64_t r0) { accumulate_rows_bf16_u8<D, nr()>(p, n, r0, sc, vscale, vmin); });
+}
+
+// The dim that position i of acc holds under accumulate_rows_bf16_u8: in each 64 dims, accumulator
+// k = i / 16 (% 4) holds lanes 2 (k % 2) and 2 (k % 2) + 1 (16 dims each) of the unpacked codes,
+// the first or last 8 dims of each lane for k < 2 or k >= 2 (unpacklo / unpackhi).
+constexpr int int_value_dim(int i) {
+  const int k = i / 16 % 4, j = i % 16, lane = 2 * (k % 2) + j / 8;
+  return i / 64 * 64 + lane * 16 + k / 2 * 8 + j % 8;
+}
+
+template <int D>
+void unpermute_acc_u8(Scratch& sc, int64_t rows) {
+  float tmp[D];
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc = &sc.acc[r * D];
+    for (int i = 0; i < D; ++i) tmp[int_value_dim(i)] = acc[i];
+    std::memcpy(acc, tmp, sizeof(tmp));
+  }
 }
 
 // acc's [even | odd] halves of each 32 dims back in dim order, for store_output.
@@ -554,6 +701,10 @@ void accumulate_rows_u8(const Problem<T>& p, int64_t n, int64_t r0, Scratch& sc)
 
 template <typename T, int D>
 void accumulate_tile(const Problem<T>& p, int64_t n, int64_t rows, Scratch& sc) {
+#if KVSERVE_NATIVE_BF16
+  if constexpr (kKeyLanes<T, D> && kIntValues<D>)
+    if (p.kv_dtype == at::kByte) return accumulate_tile_bf16_u8<D>(p, n, rows, sc);
+#endif
   if (p.kv_dtype == at::kByte) {
     return for_row_blocks<kRowBlock<D>>(rows, [&](auto nr, int64_t r0) { accumulate_rows_u8<T, D, nr()>(p, n, r0, sc); });
   }
@@ -685,8 +836,11 @@ void attend_item(const Problem<T>& p, const Item& it, int64_t h, const Item* the
     std::swap(sc.keys, sc.next_keys);
   }
 #if KVSERVE_NATIVE_BF16
-  if constexpr (kKeyLanes<T, D>)
-    if (p.kv_dtype != at::kByte) unpermute_acc<D>(sc, rows);  // int8 values accumulate in dim order
+  if constexpr (kKeyLanes<T, D>) {
+    if (p.kv_dtype != at::kByte) unpermute_acc<D>(sc, rows);
+    if constexpr (kIntValues<D>)
+      if (p.kv_dtype == at::kByte) unpermute_acc_u8<D>(sc, rows);
+  }
 #endif
   if (it.parts == 1) return store_output<T, D>(p, it, h, sc);
   float* state = partial + h * rows * (D + 2);  // per row: max, sum, output
