@@ -27,6 +27,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -140,17 +141,20 @@ def start(setup: str, args: argparse.Namespace, port: int, redis_url: str | None
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> list[str]:
     """Until the front answers /health; returns the P/D replicas' URLs from the cluster's start line."""
-    deadline, replicas = time.monotonic() + timeout, []
+    deadline, log = time.monotonic() + timeout, ""
     os.set_blocking(proc.stdout.fileno(), False)
     while time.monotonic() < deadline:
-        for line in iter(proc.stdout.readline, ""):
-            if "router on" in line:
-                replicas = re.findall(r"(http://127\.0\.0\.1:\d+) \((?:prefill|decode)\)", line)
         try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return replicas
+            healthy = httpx.get(f"{url}/health", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
+            healthy = False
+        time.sleep(0.2 if healthy else 0)  # the start line may still be on its way
+        log += "".join(iter(proc.stdout.readline, ""))  # a read may end mid-line: search all of it
+        if healthy:
+            os.set_blocking(proc.stdout.fileno(), True)
+            # keep reading the servers' log: a full pipe would stall them mid-run
+            threading.Thread(target=proc.stdout.read, daemon=True).start()
+            return re.findall(r"(http://127\.0\.0\.1:\d+) \((?:prefill|decode)\)", log)
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
         time.sleep(0.5)
