@@ -30,7 +30,7 @@ from kvserve.kv_cache.tiers.disk import DiskTier
 from kvserve.kv_cache.tiers.handoff import HandoffTier
 from kvserve.kv_cache.tiers.host import HostTier
 from kvserve.kv_cache.tiers.namespace import Namespace, tier_key
-from kvserve.kv_cache.tiers.pages import zeroed_buffer
+from kvserve.kv_cache.tiers.pages import BufferPool
 from kvserve.kv_cache.tiers.record import header, header_size
 from kvserve.kv_cache.tiers.remote import remote_tier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
@@ -104,6 +104,7 @@ class LLMEngine:
         self.transfer = KVTransfer(slots, self.store, copier) if self.store else None
         self.runner = ModelRunner(model, kv_caches, self.kv, Sampler(config.seed), self.transfer, copier)
         self.exporter = KVTransfer(slots, None, copier)  # reads leased blocks out for a decode replica
+        self._export_bodies = BufferPool()  # each pull's body, reused once the server has sent it
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -192,7 +193,7 @@ class LLMEngine:
         try:
             ns = self.namespace
             head, size = header_size(ns), header_size(ns) + ns.block_nbytes
-            body = zeroed_buffer(len(ids) * size)
+            body = self._export_bodies.take(len(ids) * size)
             payloads = [body[i * size + head : (i + 1) * size] for i in range(len(ids))]
             self.exporter.read_into(ids, payloads)
         finally:

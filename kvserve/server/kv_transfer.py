@@ -37,7 +37,7 @@ from pydantic import BaseModel, Field
 from kvserve.engine.client import EngineClient
 from kvserve.kv_cache.block_keys import chain_keys
 from kvserve.kv_cache.prefix_cache import extra_key
-from kvserve.kv_cache.tiers.pages import zeroed_buffer
+from kvserve.kv_cache.tiers.pages import BufferPool
 from kvserve.logger import logger
 from kvserve.server.errors import APIError
 
@@ -45,6 +45,7 @@ TOKEN_HEADER = "X-KV-Transfer-Token"
 PULL_TIMEOUT = 30.0
 RELEASE_TIMEOUT = 5.0
 RECEIVE_BUFFER = 16 << 20  # a larger socket buffer: fewer, larger reads of a pull's body
+_bodies = BufferPool()  # pulls' bodies, each taken by its blocks' lookup or dropped from the handoff tier
 
 router = APIRouter()
 
@@ -154,7 +155,7 @@ async def pull_blocks(params: dict[str, Any], keys: list[bytes], secret: bytes, 
     headers = {TOKEN_HEADER: transfer_token(secret, request_id), "Content-Type": "application/json"}
     start = time.perf_counter()
     try:
-        data = await asyncio.to_thread(_fetch, base, json.dumps(body).encode(), headers)
+        data = await asyncio.to_thread(_fetch, base, json.dumps(body).encode(), headers, len(keys) * record_bytes)
     except (asyncio.CancelledError, PullFailed):  # left or failed: the pull that releases may not have arrived
         release_in_background(params, secret)
         raise
@@ -164,10 +165,11 @@ async def pull_blocks(params: dict[str, Any], keys: list[bytes], secret: bytes, 
     return Pulled(records, len(data), time.perf_counter() - start)
 
 
-def _fetch(base: str, body: bytes, headers: dict[str, str]) -> memoryview:
+def _fetch(base: str, body: bytes, headers: dict[str, str], expect: int) -> memoryview:
     """POST /kv_transfer/pull, the answer read straight from the socket into one buffer. On a thread, with
     a blocking socket: the event loop's streams move a body of ~100 MB at half the rate (their chunks, a
-    copy to join them, the engine thread's share of the GIL between them)."""
+    copy to join them, the engine thread's share of the GIL between them). The buffer for the `expect`
+    bytes asked for is found (or mapped) while the prefill replica reads its blocks out."""
     url = urlsplit(base)
     conn = http.client.HTTPConnection(url.hostname or "", url.port, timeout=PULL_TIMEOUT)
     try:
@@ -175,10 +177,12 @@ def _fetch(base: str, body: bytes, headers: dict[str, str]) -> memoryview:
         assert conn.sock is not None
         conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RECEIVE_BUFFER)
         conn.request("POST", "/kv_transfer/pull", body=body, headers=headers)
+        buffer = _bodies.take(expect)
         response = conn.getresponse()
         if response.status != 200:
             raise PullFailed(f"HTTP {response.status}: {response.read(200)!r}")
-        data, got = zeroed_buffer(int(response.getheader("Content-Length") or 0)), 0
+        size = int(response.getheader("Content-Length") or 0)
+        data, got = (buffer[:size] if size <= expect else _bodies.take(size)), 0
         while got < len(data):
             n = response.readinto(data[got:])
             if not n:
