@@ -196,6 +196,16 @@ def handoffs(replicas: list[str], args: argparse.Namespace) -> dict:
     }
 
 
+def warm_up(url: str, args: argparse.Namespace) -> None:
+    """Two long prompts one after the other, then 5 s of the workload: every path, a handoff's
+    included (its first pulls map their buffers), is measured as a server that has run a while."""
+    rng = random.Random(args.seed + 1)
+    for _ in range(2):
+        body = {"prompt": text(args.long_words, rng), "max_tokens": 16}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=600).raise_for_status()
+    asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "duration": 5})))
+
+
 def run(setup: str, args: argparse.Namespace) -> dict:
     redis = None
     if setup == "pd-redis":
@@ -209,7 +219,7 @@ def run(setup: str, args: argparse.Namespace) -> dict:
         replicas = wait_ready(proc, url)
         if setup == "transfer":
             return {"setup": setup, **handoffs(replicas, args)}
-        asyncio.run(workload(url, argparse.Namespace(**{**vars(args), "duration": 5})))  # warm-up
+        warm_up(url, args)
         records, duration = asyncio.run(workload(url, args))
         result = {"setup": setup, **summarize(records, duration, args.slo_ttft, args.slo_itl / 1000)}
         if replicas:
