@@ -393,8 +393,7 @@ constexpr bool kIntValues = D % 64 == 0;
 
 // The tile's weights for row r as int16 codes, two tokens' in each int32 (tokens n.. weigh 0); returns
 // their scale, and in `lo` the row's sum_t p_t * minimum_t.
-template <int D>
-float weigh_tile(const float* probs, const float* vscale, const float* vmin, int64_t padded, int16_t* codes, float& lo) {
+inline float weigh_tile(const float* probs, const float* vscale, const float* vmin, int64_t padded, int16_t* codes, float& lo) {
   __m512 mx = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < padded; t += 16) {
     const __m512 pt = _mm512_loadu_ps(probs + t);
@@ -419,7 +418,7 @@ void accumulate_rows_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t 
   alignas(64) int16_t weights[NR][kTileTokens];
   float wscale[NR], lo[NR];
   for (int i = 0; i < NR; ++i)
-    wscale[i] = weigh_tile<D>(&sc.s[(r0 + i) * kTileTokens], vscale, vmin, padded, weights[i], lo[i]);
+    wscale[i] = weigh_tile(&sc.s[(r0 + i) * kTileTokens], vscale, vmin, padded, weights[i], lo[i]);
   __m512i a[NR][NA];
   for (int i = 0; i < NR; ++i)
     for (int j = 0; j < NA; ++j) a[i][j] = _mm512_setzero_si512();
