@@ -16,7 +16,7 @@ import pytest
 from test_server_common import TINY_ARGS, write_keys
 
 from kvserve.entrypoints.cli import build_parser
-from kvserve.entrypoints.cluster import core_groups, free_port, replica_flags, serve_parser
+from kvserve.entrypoints.cluster import Replica, core_groups, free_port, replica_flags, router_args, serve_parser
 
 
 def test_replica_flags_are_the_users_minus_the_clusters_own():
@@ -27,6 +27,18 @@ def test_replica_flags_are_the_users_minus_the_clusters_own():
     args.model = args.model_tag
     flags = replica_flags(args, serve_parser())
     assert flags == ["--model", "m", "--dtype", "float32", "--no-enable-prefix-caching", "--strict-fields"]
+
+
+def test_max_local_prefill_tokens_goes_to_the_router_not_the_replicas():
+    argv = ["serve", "m", "--replicas", "2", "--pd", "--max-local-prefill-tokens", "64", "--dtype", "float32"]
+    args = build_parser().parse_args(argv)
+    args.model = args.model_tag
+    assert replica_flags(args, serve_parser()) == ["--model", "m", "--dtype", "float32"]
+    prefill = Replica(0, [0], [], "http://127.0.0.1:1", role="prefill")
+    replicas = [prefill, Replica(1, [1], [], "http://127.0.0.1:2", role="decode")]
+    router = router_args(args, replicas, "secret")
+    assert router.max_local_prefill_tokens == 64
+    assert (router.prefill, router.decode) == (["http://127.0.0.1:1"], ["http://127.0.0.1:2"])
 
 
 def test_core_groups_are_disjoint_and_cover_the_cores():
