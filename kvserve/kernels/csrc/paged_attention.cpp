@@ -88,12 +88,15 @@ constexpr bool kF32KeyLanes =
     false;
 #endif
 
+// A row's bytes of int8 codes in whole vectors of 64.
+constexpr int64_t code_bytes(int64_t d) { return (d + 63) / 64 * 64; }
+
 // Per-thread buffers, sized for the largest item: rows = kQueryTile * group.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, alpha, qsum;  // qsum: each row's sum of its queries, as in q or qb
   std::vector<uint16_t> qb;  // the queries as stored (bf16 bits), for vdpbf16ps
-  std::vector<int16_t> qi;   // under int8 keys with AVX512-BF16: each row's queries as int16 codes
-  std::vector<float> qscale;  // and their scale (quantize_query)
+  std::vector<int8_t> qi;     // under int8 keys with AVX512-BF16: each row's query codes (quantize_query)
+  std::vector<float> qscale;  // and their scale
   int64_t next_n = 0;         // keys located in next_keys, for the score and sum loops to prefetch
   std::vector<int64_t> limit, lower;  // keys [lower, limit) visible to each row
   std::vector<int64_t> keys, next_keys;  // cache offsets of this tile's keys and the next's
@@ -101,7 +104,7 @@ struct Scratch {
   std::vector<int64_t> staged;    // their offsets in kbuf / vbuf
   const int64_t* tile = nullptr;  // the offsets the products read this tile's rows at: keys or staged
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), qb(rows * d), qi(rows * d), qscale(rows), s(rows * kTileTokens), m(rows), l(rows),
+      : q(rows * d), acc(rows * d), qb(rows * d), qi(rows * 2 * code_bytes(d)), qscale(rows), s(rows * kTileTokens), m(rows), l(rows),
         alpha(rows), qsum(rows),
         limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens), kbuf(kTileTokens * d),
         vbuf(kTileTokens * d), staged(kTileTokens) {}
@@ -126,14 +129,24 @@ struct Scratch {
 // kCodeMax, to half a step of max |x| / kCodeMax (1 part in 65,534; bf16 itself keeps 1 in 256).
 constexpr float kCodeMax = 32767.f;
 
-// One query row as codes; returns their scale (0 for a row of zeros).
+// A query row's codes, to 1 part in 32,512 of its largest (bf16 keeps 1 in 256), as two int8 halves
+// code = 128 * hi + lo (|hi| <= 127, |lo| <= 64) for vpdpbusd, which multiplies the keys' uint8 codes
+// as stored by int8, 64 products an instruction: `hi` then `lo` in code_bytes(D) bytes each, zero
+// past D. Returns their scale (0 for a row of zeros).
+constexpr float kQueryCodeMax = 127.f * 128.f;
+
 template <int D, typename T>
-float quantize_query(const T* q, int16_t* codes) {
+float quantize_query(const T* q, int8_t* hi) {
+  int8_t* lo = hi + code_bytes(D);
   float mx = 0.f;
   for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(static_cast<float>(q[d])));
-  const float inv = mx > 0.f ? kCodeMax / mx : 0.f;
-  for (int64_t d = 0; d < D; ++d) codes[d] = static_cast<int16_t>(std::lrintf(static_cast<float>(q[d]) * inv));
-  return mx / kCodeMax;
+  const float inv = mx > 0.f ? kQueryCodeMax / mx : 0.f;
+  for (int64_t d = 0; d < code_bytes(D); ++d) {
+    const int32_t code = d < D ? static_cast<int32_t>(std::lrintf(static_cast<float>(q[d]) * inv)) : 0;
+    const int32_t h = (code + 64) >> 7;  // arithmetic shift: the nearest multiple of 128, ties up
+    hi[d] = static_cast<int8_t>(h), lo[d] = static_cast<int8_t>(code - 128 * h);
+  }
+  return mx / kQueryCodeMax;
 }
 
 // The item's queries (row r = query (r / group), head r % group of the group): scaled
@@ -152,7 +165,7 @@ int64_t load_queries(const Problem<T>& p, const Item& it, int64_t h, Scratch& sc
         float sum = 0.f;  // for int8 keys' minima (unscaled, as qb)
         for (int64_t d = 0; d < D; ++d) sum += static_cast<float>(src[d]);
         sc.qsum[r] = sum;
-        if (p.kv_dtype == at::kByte) sc.qscale[r] = quantize_query<D>(src, &sc.qi[r * D]);
+        if (p.kv_dtype == at::kByte) sc.qscale[r] = quantize_query<D>(src, &sc.qi[r * 2 * code_bytes(D)]);
       } else {
         float sum = 0.f;
         for (int64_t d = 0; d < D; ++d) sum += (sc.q[r * D + d] = static_cast<float>(src[d]) * p.scale);
@@ -265,15 +278,6 @@ inline __m512 reduce16_epi32(const __m512i* a) {
   return _mm512_cvtepi32_ps(_mm512_castps_si512(sum));
 }
 
-// acc + the sums of each int32 lane's two int16 products (vpdpwssd; vpmaddwd and an add without VNNI).
-inline __m512i dot_epi16(__m512i acc, __m512i a, __m512i b) {
-#if defined(__AVX512VNNI__)
-  return _mm512_dpwssd_epi32(acc, a, b);
-#else
-  return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
-
 // Keys outer, rows inner: each 16 keys' addresses are worked out once for all the rows
 // (which find the keys in L1), and after them it asks for the next tile's 16 K rows
 // (prefetch_next). Rows outer, every row redid the address arithmetic of every key.
@@ -302,39 +306,47 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
   prefetch_next(p, p.k_pool, sc, (n + 15) / 16 * 16, kTileTokens);
 }
 
-// int8 K/V under bf16 queries, on integer dot products: the queries (quantize_query) and each
-// row's weights p_t * scale_t (weigh_tile) as int16 codes, the rows' uint8 codes widened to int16
-// (one instruction per 32), 32 products summed exactly per instruction (vpdpwssd) into int32, then
-// scaled in fp32. Widening the codes to fp32 or bf16 instead (two instructions per 16) left int8
-// slower than bf16 K/V where bf16 already ran at ~80% of read bandwidth. The only rounding added is
-// the int16 codes' (see kCodeMax). The integer sums fit int32 for head dims up to 256.
+// int8 K/V under bf16 queries, on integer dot products summed exactly into int32, then scaled in
+// fp32: the keys' uint8 codes as stored against the queries' codes (quantize_query, vpdpbusd), each
+// row's weights p_t * scale_t as int16 codes (weigh_tile) against the values' codes widened to int16
+// (vpdpwssd). Widening the codes to fp32 or bf16 instead (two instructions per 16) left int8 slower
+// than bf16 K/V where bf16 already ran at ~80% of read bandwidth. The only rounding added is the
+// codes' (kQueryCodeMax, kCodeMax). The integer sums fit int32 for head dims up to 256.
 
-// Scores: 16 keys' codes widened once, dot products with each row's query codes, then
-// s = scale_t * qscale * (codes_q . codes_t) + minimum_t * sum(q).
+// Scores: per row and key, vpdpbusd of the key's codes as stored with the query's high halves, the
+// sum shifted 7 bits, then with its low halves; s = scale_t * qscale * sum + minimum_t * sum(q).
+// Widening the codes to int16 for vpdpwssd (32 products an instruction) instead cost a third more.
 template <int D>
 void score_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
-  static_assert(int64_t{D} * 255 * 32767 <= INT32_MAX, "a key's dot product must fit int32");
-  constexpr int NQ = D / 32;
+  static_assert(int64_t{D} * 255 * (127 * 128 + 64) <= INT32_MAX, "a key's dot product must fit int32");
+  constexpr int NB = code_bytes(D) / 64;  // vectors of 64 codes per row, the last masked to D
+  constexpr __mmask64 last = D % 64 ? (__mmask64{1} << (D % 64)) - 1 : ~__mmask64{0};
   const auto* k = reinterpret_cast<const uint8_t*>(p.k_pool);
-  alignas(64) int16_t codes[16][D];
   alignas(64) float kscale[16], kmin[16];
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
+    const uint8_t* key[16];
     for (int i = 0; i < 16; ++i) {
-      const uint8_t* key = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
-      for (int j = 0; j < NQ; ++j)
-        _mm512_store_si512(&codes[i][j * 32], _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(key + j * 32))));
+      key[i] = k + sc.keys[std::min<int64_t>(t0 + i, n - 1)];  // padding: masked later
       float scale_min[2];
-      std::memcpy(scale_min, key + D, sizeof(scale_min));
+      std::memcpy(scale_min, key[i] + D, sizeof(scale_min));
       kscale[i] = scale_min[0] * p.scale, kmin[i] = scale_min[1] * p.scale;
     }
     const __m512 scale = _mm512_load_ps(kscale), minimum = _mm512_load_ps(kmin);
     for (int64_t r = 0; r < rows; ++r) {
-      __m512i q[NQ];
-      for (int j = 0; j < NQ; ++j) q[j] = _mm512_loadu_si512(&sc.qi[r * D + j * 32]);
+      const int8_t* codes = &sc.qi[r * 2 * code_bytes(D)];
+      __m512i hi[NB], lo[NB];
+      for (int j = 0; j < NB; ++j) {
+        hi[j] = _mm512_loadu_si512(codes + j * 64);
+        lo[j] = _mm512_loadu_si512(codes + code_bytes(D) + j * 64);
+      }
       __m512i acc[16];
       for (int i = 0; i < 16; ++i) {
-        __m512i a = dot_epi16(_mm512_setzero_si512(), _mm512_load_si512(codes[i]), q[0]);
-        for (int j = 1; j < NQ; ++j) a = dot_epi16(a, _mm512_load_si512(&codes[i][j * 32]), q[j]);
+        __m512i kv[NB];
+        for (int j = 0; j < NB; ++j) kv[j] = _mm512_maskz_loadu_epi8(j + 1 < NB ? ~__mmask64{0} : last, key[i] + j * 64);
+        __m512i a = _mm512_setzero_si512();
+        for (int j = 0; j < NB; ++j) a = _mm512_dpbusd_epi32(a, kv[j], hi[j]);
+        a = _mm512_slli_epi32(a, 7);
+        for (int j = 0; j < NB; ++j) a = _mm512_dpbusd_epi32(a, kv[j], lo[j]);
         acc[4 * (i % 4) + i / 4] = a;
       }
       const __m512 rscale = _mm512_mul_ps(scale, _mm512_set1_ps(sc.qscale[r]));
@@ -440,7 +452,7 @@ void accumulate_rows_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t 
           _mm512_cvtepu8_epi16(_mm512_castsi512_si256(lo8)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(lo8, 1)),
           _mm512_cvtepu8_epi16(_mm512_castsi512_si256(hi8)), _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(hi8, 1))};
       for (int i = 0; i < NR; ++i)
-        for (int k = 0; k < 4; ++k) a[i][4 * c + k] = dot_epi16(a[i][4 * c + k], v[k], w[i]);
+        for (int k = 0; k < 4; ++k) a[i][4 * c + k] = _mm512_dpwssd_epi32(a[i][4 * c + k], v[k], w[i]);
     }
   }
   if (r0 == 0) prefetch_next(p, p.v_pool, sc, (n + 1) / 2 * 2, kTileTokens);
