@@ -182,20 +182,25 @@ def handoffs(replicas: list[str], args: argparse.Namespace) -> dict:
     """One long prompt at a time through the prefill replica, then the decode replica with its params
     (`max_tokens` 1): each pull's rate with nothing else running."""
     prefill, decode = replicas
-    rng, walls = random.Random(args.seed), []
+    rng, walls, rates = random.Random(args.seed), [], []
     for _ in range(args.handoffs):
         body = {"prompt": text(args.long_words, rng), "max_tokens": 1}
         answer = httpx.post(
             f"{prefill}/v1/completions", json={**body, "kv_transfer_params": {"do_remote_decode": True}}, timeout=600
         ).json()
+        before = transfers([decode])
         started = time.perf_counter()
         handed = {**body, "kv_transfer_params": answer["kv_transfer_params"]}
         r = httpx.post(f"{decode}/v1/completions", json=handed, timeout=600)
         walls.append(time.perf_counter() - started)
         r.raise_for_status()
+        after = transfers([decode])
+        rates.append((after["bytes"] - before["bytes"]) / (after["seconds"] - before["seconds"]) / 1e9)
     return {
         "handoffs": args.handoffs,
         "pulled": transfers([decode]),
+        # each pull's rate: the first ones map their buffers (BufferPool), the rest reuse them
+        "pull_gb_s": rates,
         "read_out": transfers([prefill], "sent"),
         "decode_call_s": {"p50": pct(walls, 50), "max": max(walls)},
     }
