@@ -149,6 +149,13 @@ def test_top_k_renormalises_over_the_k_best() -> None:
     assert torch.allclose(frequencies(tokens, 5), expected, atol=0.015)
 
 
+def test_top_k_past_the_vocabulary_keeps_every_token() -> None:
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, 0.5])
+    for top_k in (5, 6, 2**80):  # a JSON integer past int64 included
+        probs = _filtered_probs(logits.unsqueeze(0), [SamplingParams(top_k=top_k)])
+        torch.testing.assert_close(probs[0], torch.softmax(logits, dim=-1))
+
+
 def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
     tokens = sample(probs.log(), SamplingParams(top_p=0.7), rows=20_000)

@@ -131,9 +131,10 @@ def mask_stop_tokens_before_min(row: torch.Tensor, req: Request) -> None:
 def _filtered_probs(logits: torch.Tensor, params: list) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
     logits = logits / temps
-    top_k = torch.tensor([p.top_k or logits.shape[-1] for p in params])
+    vocab = logits.shape[-1]  # a top_k past it keeps every token (and may be past int64)
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params])
     top_p = torch.tensor([p.top_p for p in params])
-    if (top_k < logits.shape[-1]).any() or (top_p < 1.0).any():
+    if (top_k < vocab).any() or (top_p < 1.0).any():
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = torch.softmax(logits, dim=-1)
     min_p = torch.tensor([p.min_p for p in params]).unsqueeze(1)
