@@ -104,8 +104,8 @@ struct Scratch {
   std::vector<int64_t> staged;    // their offsets in kbuf / vbuf
   const int64_t* tile = nullptr;  // the offsets the products read this tile's rows at: keys or staged
   Scratch(int64_t rows, int64_t d)
-      : q(rows * d), acc(rows * d), qb(rows * d), qi(rows * 2 * code_bytes(d)), qscale(rows), s(rows * kTileTokens), m(rows), l(rows),
-        alpha(rows), qsum(rows),
+      : q(rows * d), acc(rows * d), qb(rows * d), qi(rows * 2 * code_bytes(d)), qscale(rows),
+        s(rows * kTileTokens), m(rows), l(rows), alpha(rows), qsum(rows),
         limit(rows), lower(rows), keys(kTileTokens), next_keys(kTileTokens), kbuf(kTileTokens * d),
         vbuf(kTileTokens * d), staged(kTileTokens) {}
   // Room for `rows` rows of `d` dims; what the buffers held is overwritten before it is read.
@@ -315,7 +315,8 @@ void score_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Sc
 
 // Scores: per row and key, vpdpbusd of the key's codes as stored with the query's high halves, the
 // sum shifted 7 bits, then with its low halves; s = scale_t * qscale * sum + minimum_t * sum(q).
-// Widening the codes to int16 for vpdpwssd (32 products an instruction) instead cost a third more.
+// Widening the codes to int16 for vpdpwssd (32 products an instruction) instead made the whole
+// kernel 3-8% slower.
 template <int D>
 void score_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows, Scratch& sc) {
   static_assert(int64_t{D} * 255 * (127 * 128 + 64) <= INT32_MAX, "a key's dot product must fit int32");
@@ -342,7 +343,8 @@ void score_tile_bf16_u8(const Problem<at::BFloat16>& p, int64_t n, int64_t rows,
       __m512i acc[16];
       for (int i = 0; i < 16; ++i) {
         __m512i kv[NB];
-        for (int j = 0; j < NB; ++j) kv[j] = _mm512_maskz_loadu_epi8(j + 1 < NB ? ~__mmask64{0} : last, key[i] + j * 64);
+        for (int j = 0; j < NB; ++j)
+          kv[j] = _mm512_maskz_loadu_epi8(j + 1 < NB ? ~__mmask64{0} : last, key[i] + j * 64);
         __m512i a = _mm512_setzero_si512();
         for (int j = 0; j < NB; ++j) a = _mm512_dpbusd_epi32(a, kv[j], hi[j]);
         a = _mm512_slli_epi32(a, 7);
