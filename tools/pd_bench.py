@@ -195,7 +195,8 @@ def handoffs(replicas: list[str], args: argparse.Namespace) -> dict:
         walls.append(time.perf_counter() - started)
         r.raise_for_status()
         after = transfers([decode])
-        rates.append((after["bytes"] - before["bytes"]) / (after["seconds"] - before["seconds"]) / 1e9)
+        seconds = after["seconds"] - before["seconds"]  # 0: the pull failed and the decode replica computed
+        rates.append((after["bytes"] - before["bytes"]) / seconds / 1e9 if seconds else None)
     return {
         "handoffs": args.handoffs,
         "pulled": transfers([decode]),

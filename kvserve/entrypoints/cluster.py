@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvserve.router.args import MAX_LOCAL_PREFILL_TOKENS, POLICIES
+from kvserve.router.args import POLICIES, add_local_prefill_arg
 
 START_TIMEOUT = 900.0  # seconds for a replica's /health: a large model loads (and its kernels build) first
 STOP_TIMEOUT = 40.0  # seconds between SIGTERM and SIGKILL: a replica drains for --shutdown-timeout (30 s)
@@ -32,7 +32,8 @@ QUIET = ('"GET /health HTTP', '"GET /metrics HTTP', '"GET /server_info HTTP')
 PR_SET_PDEATHSIG = 1
 # flags each replica gets from here, not from the user's command line
 OWN_FLAGS = ("replicas", "router_policy", "host", "port", "model_tag", "kv_events_endpoint", "cache_secret", "pd")
-OWN_FLAGS += ("role", "max_local_prefill_tokens")  # with --pd: set per replica, the router's
+OWN_FLAGS += ("role",)  # with --pd, set per replica
+OWN_FLAGS += ("max_local_prefill_tokens",)  # the router's
 OWN_FLAGS += ("kv_events_replay_endpoint",)  # default: its events port + 1, which free_port(pair=True) keeps free
 
 
@@ -51,14 +52,7 @@ def add_cluster_args(parser: argparse.ArgumentParser) -> None:
         help="with --replicas N > 1: the first half prefill replicas, the rest decode replicas (prefill/decode "
         "disaggregation), the router sending a prompt with much to compute to a prefill replica first",
     )
-    parser.add_argument(
-        "--max-local-prefill-tokens",
-        type=int,
-        default=MAX_LOCAL_PREFILL_TOKENS,
-        help="with --pd: the router's (a decode replica prefills a prompt itself when it would compute at "
-        "most this many of its tokens); on a decode replica of few cores each such token stalls every "
-        "stream it decodes, so a lower value keeps their inter-token latency",
-    )
+    add_local_prefill_arg(parser)  # with --pd: the router's
 
 
 def core_groups(n: int) -> list[list[int]]:

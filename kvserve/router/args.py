@@ -21,6 +21,19 @@ MAX_LOCAL_PREFILL_TOKENS = 512
 ROLES = ("prefill", "decode", "both")
 
 
+def add_local_prefill_arg(parser: argparse.ArgumentParser) -> None:
+    """The router's, also on `kvserve serve --replicas N --pd`, which hands it to its router."""
+    parser.add_argument(
+        "--max-local-prefill-tokens",
+        type=int,
+        default=MAX_LOCAL_PREFILL_TOKENS,
+        help="P/D: a decode replica that would compute at most this many prompt tokens (the rest cached "
+        "there) prefills the request itself; more goes to a prefill replica first. Each such token "
+        "delays the next token of every stream that replica decodes: on one of few cores, a lower "
+        "value keeps their inter-token latency",
+    )
+
+
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--replica",
@@ -46,13 +59,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         help="a decode replica (`kvserve serve --role decode`): serves requests, its prompt's KV computed "
         "by a prefill replica when long and uncached there (repeat for each)",
     )
-    parser.add_argument(
-        "--max-local-prefill-tokens",
-        type=int,
-        default=MAX_LOCAL_PREFILL_TOKENS,
-        help="P/D: a decode replica that would compute at most this many prompt tokens (the rest cached "
-        "there) prefills the request itself; more goes to a prefill replica first",
-    )
+    add_local_prefill_arg(parser)
     parser.add_argument("--policy", choices=POLICIES, default="cache_aware")
     parser.add_argument(
         "--kv-overlap-score-weight",

@@ -125,10 +125,6 @@ struct Scratch {
   return sc;
 }
 
-// int16 codes that integer dot products with int8 rows' codes read: x ~= scale * code, |code| <=
-// kCodeMax, to half a step of max |x| / kCodeMax (1 part in 65,534; bf16 itself keeps 1 in 256).
-constexpr float kCodeMax = 32767.f;
-
 // A query row's codes, to 1 part in 32,512 of its largest (bf16 keeps 1 in 256), as two int8 halves
 // code = 128 * hi + lo (|hi| <= 127, |lo| <= 64) for vpdpbusd, which multiplies the keys' uint8 codes
 // as stored by int8, 64 products an instruction: `hi` then `lo` in code_bytes(D) bytes each, zero
@@ -404,6 +400,10 @@ void accumulate_tile_bf16(const Problem<at::BFloat16>& p, int64_t n, int64_t row
 // int_value_dim gives, which acc keeps until unpermute_acc_u8.
 template <int D>
 constexpr bool kIntValues = D % 64 == 0;
+
+// int16 codes that vpdpwssd reads against int8 values' codes: x ~= scale * code, |code| <= kCodeMax,
+// to half a step of max |x| / kCodeMax (1 part in 65,534; bf16 itself keeps 1 in 256).
+constexpr float kCodeMax = 32767.f;
 
 // The tile's weights for row r as int16 codes, two tokens' in each int32 (tokens n.. weigh 0); returns
 // their scale, and in `lo` the row's sum_t p_t * minimum_t.
