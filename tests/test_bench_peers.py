@@ -253,7 +253,8 @@ def canned_report() -> dict:
     step = {
         "roofline": {"dtype": "bfloat16", "matmul_gflops": 400.0, "read_gb_per_s": 45.0},
         "steps": [{"batch_size": b, "step_ms": 10.0, "tok_per_s": 100.0 * b, "gflops": 27.0 * b,
-                   "matmul_limit_share": 0.07 * b, "weight_gb_per_s": 27.0, "bandwidth_limit_share": 0.6}
+                   "matmul_limit_share": 0.07 * b, "weight_gb_per_s": 27.0, "kv_gb_per_s": 1.0,
+                   "bandwidth_limit_share": 0.6}
                   for b in (1, 64)],
     }  # fmt: skip
     runs = [

@@ -6,7 +6,7 @@ import torch
 
 from kvserve.bench import roofline
 from kvserve.bench.roofline import Roofline, matmul_gflops, read_gb_per_s
-from kvserve.bench.step import FORWARD_CATEGORIES, STEP_RANGES, matmul_weights, run_step_bench
+from kvserve.bench.step import FORWARD_CATEGORIES, STEP_RANGES, kv_read_bytes, matmul_weights, run_step_bench
 from kvserve.config import EngineConfig
 from kvserve.engine.llm_engine import LLMEngine
 from kvserve.models.loader import iter_weights
@@ -37,7 +37,10 @@ def test_step_bench_decodes_the_batch_and_frees_it(tiny_model_dir):
         assert r.tok_per_s == batch_size / (r.step_ms / 1e3)
         assert abs(r.gflops - batch_size * 2 * params / (r.step_ms / 1e3) / 1e9) < 1e-9
         assert r.matmul_limit_share == r.gflops / LIMITS.matmul_gflops
-        assert r.bandwidth_limit_share == weight_bytes / (r.step_ms / 1e3) / 1e9 / LIMITS.read_gb_per_s
+        kv_bytes = kv_read_bytes(engine, batch_size, 20)
+        assert kv_bytes == batch_size * 20 * engine.kv_bytes_per_token
+        assert r.kv_gb_per_s == kv_bytes / (r.step_ms / 1e3) / 1e9
+        assert r.bandwidth_limit_share == (r.weight_gb_per_s + r.kv_gb_per_s) / LIMITS.read_gb_per_s
         assert set(STEP_RANGES) <= r.breakdown_ms.keys()
         assert r.breakdown_ms["model_forward"] > 0 and r.breakdown_ms["forward.matmul"] > 0
         parts = [f"forward.{c}" for c in (*FORWARD_CATEGORIES, "other")]

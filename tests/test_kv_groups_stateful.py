@@ -236,5 +236,8 @@ def test_gemma3_270m_layout_and_sizing() -> None:
     full = KVCacheConfig.single(18).request_bytes(tokens, layer_bytes, 16)
     assert hybrid == 3 * layer_bytes * 16 * (258 + 5 * 33)
     assert 1 - hybrid / full > 0.70
+    # a decode reads the full layers' whole context and the window layers' last 512 tokens
+    assert config.read_bytes(tokens, layer_bytes) == layer_bytes * (3 * tokens + 15 * 512)
+    assert config.read_bytes(100, layer_bytes) == KVCacheConfig.single(18).read_bytes(100, layer_bytes)
     assert config.max_tokens(num_blocks=1000, block_size=16) == (1000 - 5 * 33) * 16
     assert KVCacheConfig.single(30).groups[0].layers == tuple(range(30))  # Llama: one group, as before

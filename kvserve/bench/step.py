@@ -3,7 +3,8 @@
 Each batch size gets `batch_size` requests of `context_len` random prompt tokens,
 prefilled first; then `steps` pure decode steps are timed (median). A large batch is
 judged against the measured matmul limit (FLOPs per token = 2 x matmul weights), batch
-1 against reading every matmul weight once per step at the measured bandwidth. With
+1 against the bytes a step must read at the measured bandwidth: every matmul weight once,
+and each decode's K/V (at the KV dtype, scales included; a window layer its window). With
 `profile`, one more run of steps under torch.profiler splits a step into the engine's
 named ranges (schedule, prepare_inputs, model_forward, logits, sample,
 process_outputs) and the forward into matmuls, attention, KV writes and the rest.
@@ -50,7 +51,8 @@ class StepResult:
     gflops: float  # matmul FLOPs done per second (attention not counted)
     matmul_limit_share: float  # gflops / measured matmul limit
     weight_gb_per_s: float  # matmul weights read per second (each once per step)
-    bandwidth_limit_share: float  # weight_gb_per_s / measured read bandwidth
+    kv_gb_per_s: float  # K/V read per second (each decode's context once per step)
+    bandwidth_limit_share: float  # (weight_gb_per_s + kv_gb_per_s) / measured read bandwidth
     breakdown_ms: dict[str, float] = field(default_factory=dict)  # per step, from the profiled run
 
 
@@ -59,6 +61,12 @@ def matmul_weights(engine: LLMEngine) -> tuple[int, int]:
     Bytes at the dtype their values have (bf16 for fp32 compute on rounded weights: what the kernel reads)."""
     params = engine.model_config.matmul_params_per_token()
     return params, params * engine.weight_dtype.itemsize
+
+
+def kv_read_bytes(engine: LLMEngine, batch_size: int, context_len: int) -> int:
+    """K/V a decode step of `batch_size` requests at `context_len` reads, as stored."""
+    per_layer = engine.kv_bytes_per_token // engine.model_config.num_hidden_layers
+    return batch_size * engine.kv_config.read_bytes(context_len, per_layer)
 
 
 def fill_decode_batch(engine: LLMEngine, batch_size: int, context_len: int, max_tokens: int, seed: int) -> list[str]:
@@ -138,6 +146,7 @@ def run_step_bench(
     params, weight_bytes = matmul_weights(engine)
     gflops = batch_size * 2 * params / step_s / 1e9
     weight_gb_per_s = weight_bytes / step_s / 1e9
+    kv_gb_per_s = kv_read_bytes(engine, batch_size, context_len) / step_s / 1e9
     return StepResult(
         batch_size=batch_size,
         context_len=context_len,
@@ -146,7 +155,8 @@ def run_step_bench(
         gflops=gflops,
         matmul_limit_share=gflops / roofline.matmul_gflops,
         weight_gb_per_s=weight_gb_per_s,
-        bandwidth_limit_share=weight_gb_per_s / roofline.read_gb_per_s,
+        kv_gb_per_s=kv_gb_per_s,
+        bandwidth_limit_share=(weight_gb_per_s + kv_gb_per_s) / roofline.read_gb_per_s,
         breakdown_ms=breakdown,
     )
 
@@ -159,12 +169,14 @@ def print_table(results: list[StepResult], roofline: Roofline) -> None:
         f"memory read {roofline.read_gb_per_s:.1f} GB/s{pages}"
     )
     table = Table(title="decode step")
-    for col in ("batch", "context", "step ms", "tok/s", "GFLOP/s", "of matmul limit", "weights GB/s", "of bandwidth"):
+    columns = "batch", "context", "step ms", "tok/s", "GFLOP/s", "of matmul limit", "weights GB/s", "KV GB/s"
+    for col in (*columns, "of bandwidth"):
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(
             str(r.batch_size), str(r.context_len), f"{r.step_ms:.2f}", f"{r.tok_per_s:.0f}", f"{r.gflops:.0f}",
-            f"{r.matmul_limit_share:.0%}", f"{r.weight_gb_per_s:.1f}", f"{r.bandwidth_limit_share:.0%}",
+            f"{r.matmul_limit_share:.0%}", f"{r.weight_gb_per_s:.1f}", f"{r.kv_gb_per_s:.1f}",
+            f"{r.bandwidth_limit_share:.0%}",
         )  # fmt: skip
     console.print(table)
     for r in results:

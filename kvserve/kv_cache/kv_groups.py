@@ -102,6 +102,11 @@ class KVCacheConfig:
         text = f"{self.num_groups} KV groups of {self.num_slots} layers: {full} full"
         return text + "".join(f", {self.num_groups - full} sliding window {w}" for w in windows)
 
+    def read_bytes(self, context_len: int, layer_bytes_per_token: int) -> int:
+        """K/V one decode query at `context_len` attends over, every layer: a window layer reads its window."""
+        seen = [len(g.layers) * min(context_len, g.sliding_window or context_len) for g in self.groups]
+        return sum(seen) * layer_bytes_per_token
+
     def block_bytes(self, layer_bytes_per_token: int, block_size: int) -> int:
         """A block: `block_size` tokens of `num_slots` layers."""
         return self.num_slots * layer_bytes_per_token * block_size
