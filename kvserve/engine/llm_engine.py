@@ -35,7 +35,7 @@ from kvserve.kv_cache.tiers.record import header, header_size
 from kvserve.kv_cache.tiers.remote import remote_tier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
 from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
-from kvserve.layers.attention import kv_quant
+from kvserve.layers.attention.key_rotation import int8_scheme, rotates_keys
 from kvserve.layers.sampler import Sampler
 from kvserve.logger import logger
 from kvserve.models.fingerprint import model_fingerprint
@@ -78,7 +78,10 @@ class LLMEngine:
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
-        self.namespace = kv_namespace(model_dir, slots, self.weight_dtype, config.block_size, self.dtype)
+        scheme = int8_scheme(rotates_keys(self.model_config.qk_norm, self.model_config.head_dim))
+        self.namespace = kv_namespace(
+            model_dir, slots, self.weight_dtype, config.block_size, self.dtype, quant_scheme=scheme
+        )
         handoff = num_blocks * self.namespace.block_nbytes if config.role == "decode" else 0
         try:
             self.store = (
@@ -342,6 +345,8 @@ def kv_namespace(
     weight_dtype: torch.dtype,
     block_size: int,
     compute_dtype: torch.dtype | None = None,
+    *,
+    quant_scheme: str,
 ) -> Namespace:
     """What a stored or handed-off block's bytes depend on besides its tokens."""
     kv_dtype = kv_caches[0].dtype
@@ -353,7 +358,7 @@ def kv_namespace(
         None if weight_dtype == kv_dtype else str(weight_dtype).removeprefix("torch."),
         # K/V computed in fp32 and stored as bf16 are not the bytes bf16 compute stores
         None if compute_dtype in (None, kv_dtype) else str(compute_dtype).removeprefix("torch."),
-        kv_quant.SCHEME if kv_dtype == torch.uint8 else None,
+        quant_scheme if kv_dtype == torch.uint8 else None,
     )
 
 

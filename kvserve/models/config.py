@@ -24,7 +24,7 @@ class ModelConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v projections
-    qk_norm: bool = False  # Qwen3: RMSNorm on each head of q and k
+    qk_norm: bool = False  # Qwen3, Gemma 3: RMSNorm on each head of q and k
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # Gemma 3: each layer's sliding window (None: full attention), the local layers' RoPE
@@ -106,6 +106,7 @@ def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     full = rope.get("full_attention", {})
     local = rope.get("sliding_attention", {})
     return {
+        "qk_norm": True,
         "layer_windows": tuple(window if t == "sliding_attention" else None for t in types),
         "rope_theta": full.get("rope_theta") or cfg.get("rope_theta") or 1_000_000.0,
         "rope_scaling": cfg.get("rope_scaling") or _non_default(full),

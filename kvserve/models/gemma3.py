@@ -35,12 +35,10 @@ from kvserve.models.llama import Attention
 
 
 class Gemma3Attention(Attention):
-    """Llama's, with q and k RMSNorm per head always and q scaled by query_pre_attn_scalar."""
+    """Llama's (q and k RMSNorm per head: `qk_norm`), with q scaled by query_pre_attn_scalar."""
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend, ops: LayerOps):
         super().__init__(cfg, backend, ops)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         # the backends scale by 1/sqrt(head_dim); q absorbs the difference (1.0 for the real models)
         self.q_scale = (self.head_dim / (cfg.query_pre_attn_scalar or self.head_dim)) ** 0.5
 
@@ -54,6 +52,7 @@ class Gemma3Attention(Attention):
         q, k = self.ops.rotary(q, k, cos_sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        q, k = self.rotate_int8_keys(q, k, kv_cache)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from kvserve.kernels.decoder import LayerWeights
 from kvserve.layers.attention.backend import AttentionBackend, AttentionMetadata, TorchAttention
+from kvserve.layers.attention.key_rotation import key_rotation, rotates_keys
 from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 from kvserve.layers.layernorm import RMSNorm
 from kvserve.layers.linear import PackedLinear, pack_linears
@@ -43,6 +44,19 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.ops = ops
+        self.rotates_int8_keys = rotates_keys(cfg.qk_norm, self.head_dim)
+        self._int8_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rotate_int8_keys(
+        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Into int8 K/V, keys that passed a k_norm go rotated, and q with them (key_rotation.py)."""
+        if not self.rotates_int8_keys or kv_cache.dtype != torch.uint8:
+            return q, k
+        if self._int8_rotation is None:  # after loading: built from the loaded gains
+            self._int8_rotation = key_rotation(self.q_norm.weight, self.k_norm.weight, q.dtype)
+        q_matrix, k_matrix = self._int8_rotation
+        return q @ q_matrix, k @ k_matrix
 
     def forward(
         self, cos_sin: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -53,7 +67,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary(q, k, cos_sin)
+        q, k = self.rotate_int8_keys(*self.ops.rotary(q, k, cos_sin), kv_cache)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
 
 
