@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import make_tiny_checkpoint
 
-from kvserve import LLM
+from kvserve import LLM, SamplingParams
 from kvserve.layers.attention.key_rotation import hadamard, int8_scheme, key_rotation, rotates_keys
 from kvserve.layers.attention.kv_quant import SCHEME, dequantize_kv, quantize_kv
 from tests.test_gemma3_engine import tiny_gemma3_dir  # noqa: F401 (a fixture)
@@ -76,3 +77,22 @@ def test_only_int8_pools_see_rotated_keys_and_their_records_are_another_schemes(
     rq, rk = attn.rotate_int8_keys(q, k, torch.empty(0, dtype=torch.uint8))
     torch.testing.assert_close(rq @ rk.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(rk, k)
+
+
+def test_a_qwen3_style_llama_rotates_its_int8_keys_and_a_cache_hit_keeps_the_output(tmp_path, smollm2_dir):
+    model_dir = make_tiny_checkpoint(tmp_path, smollm2_dir, model_type="qwen3", head_dim=32)
+    prompt = list(range(100, 160))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+    def greedy(llm):
+        return list(llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids)
+
+    args = {"model": str(model_dir), "dtype": "float32", "kv_cache_dtype": "int8", "num_kv_blocks": 32}
+    cold = LLM(**args, enable_prefix_caching=False, kv_disk_size=0)
+    warm = LLM(**args, kv_disk_size=0)
+    assert warm.llm_engine.namespace.kv_quant == int8_scheme(True)
+    attn = warm.llm_engine.runner.model.layers[0].self_attn
+    assert attn.rotates_int8_keys
+    first = greedy(warm)
+    assert first == greedy(cold)
+    assert greedy(warm) == first and warm.llm_engine.stats.prefix_cache_hits > 0
