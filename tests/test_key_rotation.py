@@ -61,14 +61,15 @@ def test_rotated_int8_keys_score_with_a_fraction_of_the_error():
 
 
 def test_only_int8_pools_see_rotated_keys_and_their_records_are_another_schemes(tiny_model_dir, tiny_gemma3_dir):  # noqa: F811
-    assert int8_scheme(False) == SCHEME and int8_scheme(True).startswith(SCHEME + "+")
+    assert int8_scheme(False, 16) == int8_scheme(True, 96) == SCHEME
+    assert int8_scheme(True, 16).startswith(SCHEME + "+")
 
     def engine(model_dir, kv_dtype):
         llm = LLM(model=str(model_dir), dtype="float32", kv_cache_dtype=kv_dtype, num_kv_blocks=32, kv_disk_size=0)
         return llm.llm_engine
 
     gemma = engine(tiny_gemma3_dir, "int8")
-    assert gemma.namespace.kv_quant == int8_scheme(True)
+    assert gemma.namespace.kv_quant == int8_scheme(True, 16)
     assert engine(tiny_model_dir, "int8").namespace.kv_quant == SCHEME  # Llama: no k_norm, keys as they are
     attn = gemma.runner.model.layers[0].self_attn
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
@@ -90,7 +91,7 @@ def test_a_qwen3_style_llama_rotates_its_int8_keys_and_a_cache_hit_keeps_the_out
     args = {"model": str(model_dir), "dtype": "float32", "kv_cache_dtype": "int8", "num_kv_blocks": 32}
     cold = LLM(**args, enable_prefix_caching=False, kv_disk_size=0)
     warm = LLM(**args, kv_disk_size=0)
-    assert warm.llm_engine.namespace.kv_quant == int8_scheme(True)
+    assert warm.llm_engine.namespace.kv_quant == int8_scheme(True, 32)
     attn = warm.llm_engine.runner.model.layers[0].self_attn
     assert attn.rotates_int8_keys
     first = greedy(warm)

@@ -65,8 +65,7 @@ def matmul_weights(engine: LLMEngine) -> tuple[int, int]:
 
 def kv_read_bytes(engine: LLMEngine, batch_size: int, context_len: int) -> int:
     """K/V a decode step of `batch_size` requests at `context_len` reads, as stored."""
-    per_layer = engine.kv_bytes_per_token // engine.model_config.num_hidden_layers
-    return batch_size * engine.kv_config.read_bytes(context_len, per_layer)
+    return batch_size * engine.kv_config.read_bytes(context_len, engine.kv_layer_bytes_per_token)
 
 
 def fill_decode_batch(engine: LLMEngine, batch_size: int, context_len: int, max_tokens: int, seed: int) -> list[str]:
@@ -169,8 +168,9 @@ def print_table(results: list[StepResult], roofline: Roofline) -> None:
         f"memory read {roofline.read_gb_per_s:.1f} GB/s{pages}"
     )
     table = Table(title="decode step")
-    columns = "batch", "context", "step ms", "tok/s", "GFLOP/s", "of matmul limit", "weights GB/s", "KV GB/s"
-    for col in (*columns, "of bandwidth"):
+    columns = ("batch", "context", "step ms", "tok/s", "GFLOP/s", "of matmul limit", "weights GB/s", "KV GB/s",
+               "of bandwidth")  # fmt: skip
+    for col in columns:
         table.add_column(col, justify="right")
     for r in results:
         table.add_row(

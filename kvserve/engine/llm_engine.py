@@ -35,7 +35,7 @@ from kvserve.kv_cache.tiers.record import header, header_size
 from kvserve.kv_cache.tiers.remote import remote_tier
 from kvserve.kv_cache.tiers.store import EventSink, TieredKVStore
 from kvserve.kv_events.publisher import ZmqEventPublisher, default_replay_endpoint
-from kvserve.layers.attention.key_rotation import int8_scheme, rotates_keys
+from kvserve.layers.attention.key_rotation import int8_scheme
 from kvserve.layers.sampler import Sampler
 from kvserve.logger import logger
 from kvserve.models.fingerprint import model_fingerprint
@@ -78,7 +78,7 @@ class LLMEngine:
         cache_kind = config.prefix_cache if config.enable_prefix_caching else None
         self.kv_events = make_kv_event_publisher(config)
         sink = self.kv_events.publish if self.kv_events is not None else None
-        scheme = int8_scheme(rotates_keys(self.model_config.qk_norm, self.model_config.head_dim))
+        scheme = int8_scheme(self.model_config.qk_norm, self.model_config.head_dim)
         self.namespace = kv_namespace(
             model_dir, slots, self.weight_dtype, config.block_size, self.dtype, quant_scheme=scheme
         )
@@ -120,10 +120,14 @@ class LLMEngine:
         """K and V of every layer for one token, as stored (int8: scales included)."""
         return kv_bytes_per_token(self.model_config, self.kv_dtype)
 
+    @property
+    def kv_layer_bytes_per_token(self) -> int:
+        """K and V of one layer for one token, as stored: what the KV groups size blocks by."""
+        return self.kv_bytes_per_token // self.model_config.num_hidden_layers
+
     def _num_blocks(self) -> int:
         cfg = self.config
-        per_token = self.kv_bytes_per_token
-        per_layer = per_token // self.model_config.num_hidden_layers
+        per_layer = self.kv_layer_bytes_per_token
         block_bytes = self.kv_config.block_bytes(per_layer, cfg.block_size)
         num_blocks = cfg.num_kv_blocks or parse_memory(cfg.kv_cache_memory) // block_bytes
         if self.kv_config.num_groups > 1:
@@ -135,7 +139,7 @@ class LLMEngine:
             num_blocks,
             cfg.block_size,
             num_blocks * cfg.block_size,
-            per_token,
+            self.kv_bytes_per_token,
             kv_dtype_name(self.kv_dtype),
             self.device,
             str(self.dtype).removeprefix("torch."),

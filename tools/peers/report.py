@@ -345,20 +345,12 @@ def roofline_section(results: Results) -> list[str]:
     if not step:
         return []
     limits = step["roofline"]
-    header = [
-        "batch",
-        "step ms",
-        "tok/s",
-        "matmul GFLOP/s",
-        "of matmul limit",
-        "weights GB/s",
-        "KV GB/s",
-        "of bandwidth limit",
-    ]
+    header = ["batch", "step ms", "tok/s", "matmul GFLOP/s", "of matmul limit", "weights GB/s", "KV GB/s",
+              "of bandwidth limit"]  # fmt: skip
     rows = [
         [str(s["batch_size"]), fmt(s["step_ms"], 2), fmt(s["tok_per_s"]), fmt(s["gflops"]),
          f"{s['matmul_limit_share']:.0%}", fmt(s["weight_gb_per_s"]),
-         fmt(s.get("kv_gb_per_s")), f"{s['bandwidth_limit_share']:.0%}"]
+         fmt(s["kv_gb_per_s"]), f"{s['bandwidth_limit_share']:.0%}"]
         for s in step["steps"]
     ]  # fmt: skip
     return [

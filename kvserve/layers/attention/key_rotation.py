@@ -26,17 +26,21 @@ TRANSFORM = "hadamard-qk-gains"
 
 def rotates_keys(qk_norm: bool, head_dim: int) -> bool:
     """Whether a model's int8 keys go rotated: where they pass a k_norm and H exists (a power of two)."""
-    return qk_norm and head_dim > 0 and head_dim & (head_dim - 1) == 0
+    return qk_norm and _power_of_two(head_dim)
 
 
-def int8_scheme(rotated: bool) -> str:
-    """What int8 rows of a model hold, for the tier namespace: rotated keys are another scheme's."""
-    return f"{SCHEME}+{TRANSFORM}" if rotated else SCHEME
+def int8_scheme(qk_norm: bool, head_dim: int) -> str:
+    """What a model's int8 rows hold, for the tier namespace: rotated keys are another scheme's."""
+    return f"{SCHEME}+{TRANSFORM}" if rotates_keys(qk_norm, head_dim) else SCHEME
+
+
+def _power_of_two(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
 
 
 def hadamard(n: int) -> torch.Tensor:
     """The orthonormal (Sylvester) Hadamard matrix of order n, a power of two; symmetric."""
-    if n < 1 or n & (n - 1):
+    if not _power_of_two(n):
         raise ValueError(f"a Hadamard rotation needs a head_dim that is a power of two, got {n}")
     h = torch.ones(1, 1)
     while h.shape[0] < n:
