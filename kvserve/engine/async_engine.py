@@ -126,7 +126,7 @@ class AsyncLLMEngine:
         if self.max_queued_requests is not None and self.num_waiting() >= self.max_queued_requests:
             raise QueueFullError(f"{self.num_waiting()} requests are already queued")
         if isinstance(prompt, str):  # tokenize here, not in the engine thread
-            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
+            prompt = await asyncio.to_thread(self.engine.tokenizer.encode, prompt)  # as LLMEngine does
         add = _Add(request_id, prompt, params, cache_salt, asyncio.Queue())
         self._adds_sent += 1
         self._commands.put(add)

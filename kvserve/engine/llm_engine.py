@@ -221,7 +221,7 @@ class LLMEngine:
 
     def _prompt_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with its special tokens (Gemma's <bos>), as vLLM's LLM
         vocab = self.model_config.vocab_size
         if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")

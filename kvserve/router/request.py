@@ -13,6 +13,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import jinja2
@@ -69,28 +70,30 @@ class Tokenization:
 
     async def prompts(self, kind: Kind, body: dict[str, Any], authorization: str | None) -> list[list[int]]:
         try:
+            special = _add_special_tokens(body, default=kind != "chat")
             if kind == "chat":
                 messages = [m.to_template() for m in _MESSAGES.validate_python(body.get("messages"))]
-                return [await self._chat(messages, authorization)]
-            return [await self._text(p, authorization) if isinstance(p, str) else p for p in _prompts(body)]
+                return [await self._chat(messages, special, authorization)]
+            return [await self._text(p, special, authorization) if isinstance(p, str) else p for p in _prompts(body)]
         except (ValidationError, ValueError, TypeError, LookupError):
             return []  # not a valid request: the replica says why
 
-    async def _text(self, text: str, authorization: str | None) -> list[int]:
+    async def _text(self, text: str, special: bool, authorization: str | None) -> list[int]:
         if self.local and self.tokenizer is not None:
-            return await _off_loop_if_long(self.tokenizer.encode, text, len(text))
+            return await _off_loop_if_long(partial(self.tokenizer.encode, add_special_tokens=special), text, len(text))
         self.on_fallback()
-        return await self._remote(authorization, {"prompt": text})
+        return await self._remote(authorization, {"prompt": text, "add_special_tokens": special})
 
-    async def _chat(self, messages: list[dict[str, str]], authorization: str | None) -> list[int]:
+    async def _chat(self, messages: list[dict[str, str]], special: bool, authorization: str | None) -> list[int]:
         if self.local and self.tokenizer is not None:
             try:
                 chars = sum(len(str(v)) for m in messages for v in m.values())
-                return await _off_loop_if_long(self.tokenizer.encode_chat, messages, chars)
+                encode = partial(self.tokenizer.encode_chat, add_special_tokens=special)
+                return await _off_loop_if_long(encode, messages, chars)
             except (jinja2.TemplateError, ValueError, TypeError) as e:
                 logger.info("router: chat template failed locally (%s); asking a replica", type(e).__name__)
         self.on_fallback()
-        return await self._remote(authorization, {"messages": messages})
+        return await self._remote(authorization, {"messages": messages, "add_special_tokens": special})
 
     async def _remote(self, authorization: str | None, payload: dict[str, Any]) -> list[int]:
         ids = await self.remote(authorization, payload) if self.remote is not None else None
@@ -101,6 +104,14 @@ class Tokenization:
 
 async def _off_loop_if_long(encode: Callable[[Any], list[int]], prompt: Any, chars: int) -> list[int]:
     return encode(prompt) if chars < INLINE_TOKENIZE_CHARS else await asyncio.to_thread(encode, prompt)
+
+
+def _add_special_tokens(body: dict[str, Any], default: bool) -> bool:
+    """The request's `add_special_tokens`, with the replica's default (a text prompt's yes, chat's no)."""
+    special = body.get("add_special_tokens", default)
+    if not isinstance(special, bool):
+        raise ValueError("add_special_tokens is not a boolean")
+    return special
 
 
 def _prompts(body: dict[str, Any]) -> list[str | list[int]]:

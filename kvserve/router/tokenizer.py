@@ -126,9 +126,9 @@ class RouterTokenizer:
         template = compile_chat_template(source) if source is not None else None
         return cls(Tokenizer.from_file(str(path / "tokenizer.json")), template, special)
 
-    def encode(self, text: str) -> list[int]:
-        """As the replica tokenizes a prompt: no special tokens added."""
-        return self.tokenizer.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """As the replica tokenizes a prompt (its request's `add_special_tokens`, vLLM's default)."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def render_chat(self, messages: list[dict[str, str]]) -> str:
         """The prompt the replica builds from chat messages (ValueError or TemplateError as it would raise)."""
@@ -138,5 +138,5 @@ class RouterTokenizer:
             messages=messages, tools=None, documents=None, add_generation_prompt=True, **self.special_tokens
         )
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.render_chat(messages))
+    def encode_chat(self, messages: list[dict[str, str]], add_special_tokens: bool = False) -> list[int]:
+        return self.encode(self.render_chat(messages), add_special_tokens)

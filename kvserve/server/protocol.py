@@ -48,6 +48,12 @@ TokenIds = Annotated[list[TokenId], Field(min_length=1)]
 Number = Annotated[float, Field(allow_inf_nan=False)]
 
 
+# vLLM's defaults: yes for a text prompt, no for chat messages, whose template writes its own
+AddSpecialTokens = Annotated[
+    bool, Field(description="the tokenizer's special tokens (a <bos>) around the prompt: text yes, chat no")
+]
+
+
 class RequestModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
 
@@ -208,6 +214,7 @@ class CompletionRequest(SamplingRequest):
         16, description="null: up to the context length; 0 (with echo): the prompt's logprobs alone"
     )
     echo: bool = Field(False, description="the prompt's text first; with logprobs, its tokens' logprobs too")
+    add_special_tokens: AddSpecialTokens = True
     logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
@@ -309,6 +316,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: Annotated[Int, Field(ge=1)] | None = Field(None, description="deprecated: max_completion_tokens")
     logprobs: bool = False
     top_logprobs: Annotated[Int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    add_special_tokens: AddSpecialTokens = False
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -408,11 +416,13 @@ class ModelList(BaseModel):
 class TokenizeCompletionRequest(RequestModel):
     model: Text | None = None
     prompt: Text
+    add_special_tokens: AddSpecialTokens = True
 
 
 class TokenizeChatRequest(RequestModel):
     model: Text | None = None
     messages: Annotated[list[ChatCompletionMessageParam], Field(min_length=1)]
+    add_special_tokens: AddSpecialTokens = False
 
 
 class TokenizeResponse(BaseModel):

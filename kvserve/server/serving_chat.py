@@ -40,7 +40,7 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, tenant: str
     ) -> ChatCompletionResponse | Response:
         self.check_model(request.model)
-        prompt_ids = await self.encode_messages(request.messages)
+        prompt_ids = await self.encode_messages(request.messages, request.add_special_tokens)
         max_tokens = request.requested_max_tokens
         self.check_context(len(prompt_ids), max_tokens, "messages")
         params = self.sampling_params(request, max_tokens)  # None: up to the context length

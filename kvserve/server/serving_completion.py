@@ -35,7 +35,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, tenant: str) -> CompletionResponse | Response:
         self.check_model(request.model)
         prompts = request.prompts()
-        prompt_ids = [p if isinstance(p, list) else await self.tokenize(p) for p in prompts]
+        prompt_ids = [p if isinstance(p, list) else await self.tokenize(p, request.add_special_tokens) for p in prompts]
         for ids in prompt_ids:
             self.check_context(len(ids), request.max_tokens, "prompt")
         params = self.sampling_params(request, request.max_tokens)

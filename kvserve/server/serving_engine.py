@@ -60,16 +60,16 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise APIError(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
-    async def tokenize(self, text: str) -> list[int]:
-        """As the engine does, in a worker thread: a huge prompt must not stall the event loop."""
-        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=False)
+    async def tokenize(self, text: str, add_special_tokens: bool) -> list[int]:
+        """In a worker thread: a huge prompt must not stall the event loop."""
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
 
-    async def encode_messages(self, messages: list[ChatCompletionMessageParam]) -> list[int]:
+    async def encode_messages(self, messages: list[ChatCompletionMessageParam], add_special_tokens: bool) -> list[int]:
         try:
             prompt = await asyncio.to_thread(apply_chat_template, self.tokenizer, [m.to_template() for m in messages])
         except (ValueError, TemplateError) as e:  # no template, or the template refused the messages
             raise bad_request(str(e), "messages") from e
-        return await self.tokenize(prompt)
+        return await self.tokenize(prompt, add_special_tokens)
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> None:
         """A 400 with the numbers when the prompt, or prompt plus max_tokens, exceeds the context."""

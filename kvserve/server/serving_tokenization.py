@@ -1,4 +1,4 @@
-"""POST /tokenize and /detokenize, with the engine's own tokenization (no special tokens added)."""
+"""POST /tokenize and /detokenize, tokenizing as the completion and chat endpoints do."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, request: TokenizeCompletionRequest | TokenizeChatRequest) -> TokenizeResponse:
         self.check_model(request.model)
         if isinstance(request, TokenizeChatRequest):
-            tokens = await self.encode_messages(request.messages)
+            tokens = await self.encode_messages(request.messages, request.add_special_tokens)
         else:
-            tokens = await self.tokenize(request.prompt)
+            tokens = await self.tokenize(request.prompt, request.add_special_tokens)
         return TokenizeResponse(count=len(tokens), max_model_len=self.max_model_len, tokens=tokens)
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
