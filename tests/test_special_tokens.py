@@ -74,6 +74,10 @@ def test_server_adds_special_tokens_as_vllm_does(bos_model_dir, tok):
 
         assert completion_prompt() == [BOS, *plain]
         assert completion_prompt(add_special_tokens=False) == plain
+        scored = post("/v1/completions", prompt=TEXT, echo=True, logprobs=0, max_tokens=0)["choices"][0]
+        assert scored["text"] == TEXT  # the prompt as sent; its logprobs start at the <bos>, unscored
+        assert scored["logprobs"]["tokens"][0] == "<|im_start|>" and scored["logprobs"]["token_logprobs"][0] is None
+        assert len(scored["logprobs"]["tokens"]) == len(plain) + 1
         assert post("/tokenize", prompt=TEXT)["tokens"] == [BOS, *plain]
         assert post("/tokenize", prompt=TEXT, add_special_tokens=False)["tokens"] == plain
         chat = post("/v1/chat/completions", messages=MESSAGES, max_tokens=1, return_token_ids=True)
