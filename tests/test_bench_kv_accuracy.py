@@ -80,3 +80,25 @@ def test_the_parsers_defaults_are_the_configs():
     config = KVAccuracyConfig()
     assert (args.model, args.dtype, args.num_samples) == (config.model, config.dtype, config.num_samples)
     assert args.kv_cache_dtypes.split(",") == list(config.kv_cache_dtypes)
+
+
+class CharTokenizer:
+    """One id per character, and a <bos> (id 1) first when asked for special tokens, as Gemma's."""
+
+    def __init__(self, bos: bool):
+        self.bos = bos
+
+    def encode(self, text: str, add_special_tokens: bool = True, verbose: bool = True) -> list[int]:
+        return [1] * (self.bos and add_special_tokens) + [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_windows_start_as_a_served_prompt_does(bos):
+    from kvserve.bench.kv_accuracy import leading_special_tokens, sharegpt_windows
+
+    tokenizer = CharTokenizer(bos)
+    assert leading_special_tokens(tokenizer) == ([1] if bos else [])
+    windows = sharegpt_windows(tokenizer, 64, 3, seed=0)
+    assert [len(w) for w in windows] == [64, 64, 64]
+    assert all((w[0] == 1) == bos and 1 not in w[1:] for w in windows)
+    assert len({tuple(w[bos:]) for w in windows}) == 3  # successive stretches of the text, not one repeated

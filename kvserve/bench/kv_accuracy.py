@@ -1,7 +1,10 @@
 """KV dtype accuracy: teacher-forced next-token distributions, each KV dtype against fp32 K/V.
 
 Fixed text: ShareGPT conversations (shuffled by the seed, every turn joined by blank lines, one
-token stream) cut into windows of `context_len` tokens. Each window is prefilled once per KV
+token stream) cut into windows of `context_len` tokens, each led by the special tokens the
+tokenizer puts before any text (Gemma's <bos>; none for SmolLM2), as a served prompt is: Gemma
+without its <bos> is off its training distribution (perplexity 2.4x), and its first position then
+holds an outlier K/V row that no real prompt has. Each window is prefilled once per KV
 dtype with the same weights and compute dtype; the engine's prompt-logprob path hands the bench
 the full fp32 log_softmax over the vocabulary at every position (ModelRunner's
 `prompt_logprob_rows` hook), so KL is exact, not over a top-k. Per KV dtype against the fp32-KV
@@ -75,15 +78,25 @@ class KVAccuracyReport:
     results: list[KVAccuracyResult]
 
 
+def leading_special_tokens(tokenizer) -> list[int]:
+    """The ids the tokenizer puts before any text when it adds special tokens (Gemma's <bos>)."""
+    plain = tokenizer.encode("a", add_special_tokens=False)
+    full = tokenizer.encode("a", add_special_tokens=True)
+    return full[: full.index(plain[0])]
+
+
 def sharegpt_windows(tokenizer, context_len: int, num_samples: int, seed: int) -> list[list[int]]:
-    """`num_samples` consecutive windows of `context_len` tokens of shuffled ShareGPT text."""
+    """`num_samples` windows of `context_len` tokens: the leading special tokens, then the next
+    stretch of shuffled ShareGPT text."""
     from kvserve.bench.datasets import iter_json_array, sharegpt_path
 
     records = list(iter_json_array(sharegpt_path().read_text(encoding="utf-8")))
     random.Random(seed).shuffle(records)
     sep = tokenizer.encode("\n\n", add_special_tokens=False)
+    head = leading_special_tokens(tokenizer)
+    text_len = context_len - len(head)
     stream: list[int] = []
-    need = context_len * num_samples
+    need = text_len * num_samples
     for record in records:
         turns = (record.get("conversations") or []) if isinstance(record, dict) else []
         text = "\n\n".join(t["value"] for t in turns if isinstance(t, dict) and t.get("value"))
@@ -93,7 +106,7 @@ def sharegpt_windows(tokenizer, context_len: int, num_samples: int, seed: int) -
             break
     if len(stream) < need:
         raise ValueError(f"ShareGPT holds {len(stream)} tokens, asked {need}")
-    return [stream[i * context_len : (i + 1) * context_len] for i in range(num_samples)]
+    return [head + stream[i * text_len : (i + 1) * text_len] for i in range(num_samples)]
 
 
 class _Accumulator:
