@@ -75,7 +75,7 @@ class Attention(nn.Module):
 
 def _right_product(matrix: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
     """x -> x @ matrix, packed where the CPU kernels take it: a decode step's few rows then cost
-    7-9 µs a product instead of 20-24 (bf16, [1-4, 256] x [256, 256])."""
+    7-9 µs a product instead of 20-27 (bf16, [1-4, 256] x [256, 256])."""
     if can_pack(matrix.dtype, matrix.device):
         return PackedLinear(matrix.t().contiguous(), None)
     return lambda x: x @ matrix
