@@ -9,8 +9,12 @@ import torch
 from conftest import make_tiny_checkpoint
 
 from kvserve import LLM, SamplingParams
+from kvserve.layers.attention.backend import TorchAttention
 from kvserve.layers.attention.key_rotation import hadamard, int8_scheme, key_rotation, rotates_keys
 from kvserve.layers.attention.kv_quant import SCHEME, dequantize_kv, quantize_kv
+from kvserve.layers.layer_ops import TorchLayerOps
+from kvserve.layers.linear import PackedLinear
+from kvserve.models.llama import Attention
 from tests.test_gemma3_engine import tiny_gemma3_dir  # noqa: F401 (a fixture)
 
 
@@ -73,11 +77,16 @@ def test_only_int8_pools_see_rotated_keys_and_their_records_are_another_schemes(
     assert engine(tiny_model_dir, "int8").namespace.kv_quant == SCHEME  # Llama: no k_norm, keys as they are
     attn = gemma.runner.model.layers[0].self_attn
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
-    same_q, same_k = attn.rotate_int8_keys(q, k, torch.empty(0))  # an fp32 pool
-    assert same_q is q and same_k is k
-    rq, rk = attn.rotate_int8_keys(q, k, torch.empty(0, dtype=torch.uint8))
-    torch.testing.assert_close(rq @ rk.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(rk, k)
+    fp32_attn = engine(tiny_gemma3_dir, "float32").runner.model.layers[0].self_attn
+    same_q, same_k = fp32_attn.rotate_int8_keys(q, k)  # an fp32 pool: keys as they are
+    assert fp32_attn.int8_rotation is None and same_q is q and same_k is k
+    assert all(isinstance(m, PackedLinear) for m in attn.int8_rotation)  # packed, as the projections are
+    unpacked = Attention(gemma.model_config, TorchAttention(), TorchLayerOps())  # as on a GPU: nn.Linear
+    unpacked.store_int8_keys_rotated()
+    for layer in (attn, unpacked):
+        rq, rk = layer.rotate_int8_keys(q, k)
+        torch.testing.assert_close(rq @ rk.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-4, atol=1e-4)
+        assert not torch.allclose(rk, k)
 
 
 def test_a_qwen3_style_llama_rotates_its_int8_keys_and_a_cache_hit_keeps_the_output(tmp_path, smollm2_dir):
@@ -93,7 +102,7 @@ def test_a_qwen3_style_llama_rotates_its_int8_keys_and_a_cache_hit_keeps_the_out
     warm = LLM(**args, kv_disk_size=0)
     assert warm.llm_engine.namespace.kv_quant == int8_scheme(True, 32)
     attn = warm.llm_engine.runner.model.layers[0].self_attn
-    assert attn.rotates_int8_keys
+    assert attn.int8_rotation is not None
     first = greedy(warm)
     assert first == greedy(cold)
     assert greedy(warm) == first and warm.llm_engine.stats.prefix_cache_hits > 0

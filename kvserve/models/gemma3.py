@@ -52,7 +52,7 @@ class Gemma3Attention(Attention):
         q, k = self.ops.rotary(q, k, cos_sin)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        q, k = self.rotate_int8_keys(q, k, kv_cache)
+        q, k = self.rotate_int8_keys(q, k)
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
 
 

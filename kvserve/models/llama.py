@@ -8,6 +8,7 @@ fused into one matmul each.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from kvserve.layers.attention.backend import AttentionBackend, AttentionMetadata
 from kvserve.layers.attention.key_rotation import key_rotation, rotates_keys
 from kvserve.layers.layer_ops import LayerOps, TorchLayerOps
 from kvserve.layers.layernorm import RMSNorm
-from kvserve.layers.linear import PackedLinear, can_pack, pack_linears
+from kvserve.layers.linear import PackedLinear, pack_linears
 from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.models.config import ModelConfig
 
@@ -44,19 +45,25 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.backend = backend
         self.ops = ops
-        self.rotates_int8_keys = rotates_keys(cfg.qk_norm, self.head_dim)
-        self._int8_rotation: tuple[Callable[[torch.Tensor], torch.Tensor], ...] | None = None
+        # x -> x @ matrix for q and k, where int8 K/V store rotated keys (store_int8_keys_rotated)
+        self.int8_rotation: tuple[Callable[[torch.Tensor], torch.Tensor], ...] | None = None
 
-    def rotate_int8_keys(
-        self, q: torch.Tensor, k: torch.Tensor, kv_cache: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Into int8 K/V, keys that passed a k_norm go rotated, and q with them (key_rotation.py)."""
-        if not self.rotates_int8_keys or kv_cache.dtype != torch.uint8:
+    def store_int8_keys_rotated(self) -> None:
+        """For an int8 pool, after loading and packing: keys that passed a k_norm go into it rotated,
+        and q with them (key_rotation.py). The two products are packed where this layer's projections
+        are: a decode step's few rows then cost 7-9 µs a product, not 20-27 (bf16, [1-4, 256] x [256, 256])."""
+        if not rotates_keys(self.q_norm is not None, self.head_dim):
+            return
+        matrices = key_rotation(self.q_norm.weight, self.k_norm.weight, self.q_norm.weight.dtype)
+        packed = isinstance(self.o_proj, PackedLinear)
+        self.int8_rotation = tuple(
+            PackedLinear(m.t().contiguous(), None) if packed else partial(torch.matmul, other=m) for m in matrices
+        )
+
+    def rotate_int8_keys(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.int8_rotation is None:
             return q, k
-        if self._int8_rotation is None:  # after loading: built from the loaded gains
-            matrices = key_rotation(self.q_norm.weight, self.k_norm.weight, q.dtype)
-            self._int8_rotation = tuple(_right_product(m) for m in matrices)
-        rotate_q, rotate_k = self._int8_rotation
+        rotate_q, rotate_k = self.int8_rotation
         d = self.head_dim
         return rotate_q(q.reshape(-1, d)).view(q.shape), rotate_k(k.reshape(-1, d)).view(k.shape)
 
@@ -69,16 +76,8 @@ class Attention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotate_int8_keys(*self.ops.rotary(q, k, cos_sin), kv_cache)
+        q, k = self.rotate_int8_keys(*self.ops.rotary(q, k, cos_sin))
         return self.o_proj(self.backend.forward(q, k, v, kv_cache, meta))
-
-
-def _right_product(matrix: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
-    """x -> x @ matrix, packed where the CPU kernels take it: a decode step's few rows then cost
-    7-9 µs a product instead of 20-27 (bf16, [1-4, 256] x [256, 256])."""
-    if can_pack(matrix.dtype, matrix.device):
-        return PackedLinear(matrix.t().contiguous(), None)
-    return lambda x: x @ matrix
 
 
 class MLP(nn.Module):

@@ -28,6 +28,7 @@ from kvserve.layers.rotary import RotaryEmbedding
 from kvserve.logger import logger
 from kvserve.models.config import ModelConfig
 from kvserve.models.interface import CausalLM
+from kvserve.models.llama import Attention
 from kvserve.models.registry import model_class
 from kvserve.platforms.interface import Platform
 
@@ -161,4 +162,8 @@ def load_model(model_dir: Path, cfg: ModelConfig, platform: Platform) -> CausalL
             module.reset_cache()  # computed, not loaded
     model = model.to(dtype=platform.dtype, device=platform.device).eval()
     platform.prepare(model)
+    if platform.kv_dtype == torch.uint8:  # after prepare: its rounding to weight_dtype would skew the rotation
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.store_int8_keys_rotated()
     return model
