@@ -8,7 +8,7 @@ and any positive s, so the keys are stored, and the queries multiplied, in that 
 every channel over all of them, so a row's range follows its norm; a score's error then goes as
 |q diag(s)|^2 |k diag(1/s)|^2, least for s^2 = |k channel| / |q channel| (Cauchy-Schwarz), whose
 magnitudes the gains set: s = sqrt(k gain / q gain), each channel's paired with its rotary
-partner's (rotary mixes the two). On Gemma 3 270M at 512 tokens the rotation takes KL to 2.2e-4;
+partner's (rotary mixes the two). On Gemma 3 270M at 512 tokens the rotation takes KL to 2.1e-4;
 on windows without <bos> (a script's two), 1.5e-3 with H alone, 1.1e-3 with s = sqrt(k gain) and
 9.0e-4 with the q gains too (docs/performance.md). Values are stored as they are: rotating them
 too made it worse.
